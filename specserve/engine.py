@@ -1,0 +1,126 @@
+"""Engine settings shared by the target and the draft, and vLLM's own counters.
+
+Owns: how specserve builds vLLM AsyncLLM engines (one place, so target-only and
+speculative runs use the same settings), and `SpecCounters`, a stat logger that
+adds up vLLM's own spec-decode statistics (the ground truth for acceptance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+from specserve import proposer
+
+
+@dataclasses.dataclass
+class EngineSettings:
+    """Knobs common to target and draft engines."""
+
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    seed: int = 0
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    kv_cache_gib: float | None = None  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    enable_prefix_caching: bool = True
+
+
+def _common_args(model: str, s: EngineSettings) -> dict:
+    args = dict(
+        model=model,
+        tokenizer=model,
+        seed=s.seed,
+        dtype=s.dtype,
+        max_num_seqs=s.max_num_seqs,
+        enforce_eager=s.enforce_eager,
+        enable_prefix_caching=s.enable_prefix_caching,
+        disable_log_stats=False,
+    )
+    if s.max_model_len is not None:
+        args["max_model_len"] = s.max_model_len
+    return args
+
+
+def apply_cpu_env(s: EngineSettings) -> None:
+    """vLLM CPU reads its KV cache size from the environment (GiB)."""
+    if s.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
+
+
+def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0):
+    """AsyncEngineArgs for a target; k > 0 plugs in the remote-draft proposer."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = _common_args(model, s)
+    args["tensor_parallel_size"] = tp
+    if tp > 1:
+        args["distributed_executor_backend"] = "mp"
+    if k > 0:
+        args["speculative_config"] = proposer.speculative_config(k)
+    return AsyncEngineArgs(**args)
+
+
+def draft_engine_args(model: str, s: EngineSettings):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**_common_args(model, s))
+
+
+def co_located_engine_args(model: str, draft: str, s: EngineSettings, k: int):
+    """vLLM's own draft_model speculative decoding (the baseline we compare with)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = _common_args(model, s)
+    args["speculative_config"] = {"method": "draft_model", "model": draft,
+                                  "num_speculative_tokens": k}
+    return AsyncEngineArgs(**args)
+
+
+@dataclasses.dataclass
+class SpecTotals:
+    """vLLM's spec-decode counters, summed over engine steps."""
+
+    num_drafts: int = 0  # request-steps that verified at least one drafted token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    draft_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def spec_counter_factory():
+    """(factory for AsyncLLM(stat_loggers=[...]), the totals it fills)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    totals = SpecTotals()
+    lock = threading.Lock()
+
+    class SpecCounters(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
+            if sd is None:
+                return
+            with lock:
+                totals.num_drafts += sd.num_drafts
+                totals.draft_tokens += sd.num_draft_tokens
+                totals.accepted_tokens += sd.num_accepted_tokens
+                for name, src in (("accepted_per_position", sd.num_accepted_tokens_per_pos),
+                                  ("draft_per_position", sd.num_draft_tokens_per_pos)):
+                    dst = getattr(totals, name)
+                    if len(dst) < len(src):
+                        dst.extend([0] * (len(src) - len(dst)))
+                    for i, v in enumerate(src):
+                        dst[i] += v
+
+        def log_engine_initialized(self):
+            pass
+
+    return SpecCounters, totals
