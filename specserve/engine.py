@@ -23,7 +23,7 @@ class EngineSettings:
     seed: int = 0
     dtype: str = "auto"
     enforce_eager: bool = True
-    kv_cache_gib: float | None = None  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: int | None = None  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     enable_prefix_caching: bool = True
 
 
@@ -46,7 +46,7 @@ def _common_args(model: str, s: EngineSettings) -> dict:
 def apply_cpu_env(s: EngineSettings) -> None:
     """vLLM CPU reads its KV cache size from the environment (GiB)."""
     if s.kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(s.kv_cache_gib))
 
 
 def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0):

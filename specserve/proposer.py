@@ -37,6 +37,16 @@ def speculative_config(k: int) -> dict:
     return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": k}
 
 
+def _log_to_stderr() -> None:
+    """Worker processes only configure vLLM's logger; give ours a handler too."""
+    root = logging.getLogger("specserve")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s sink %(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
 class RemoteDraftProposer:
     def __init__(self, vllm_config):
         self.k = vllm_config.speculative_config.num_speculative_tokens
@@ -50,6 +60,7 @@ class RemoteDraftProposer:
 
         if get_tensor_model_parallel_rank() != 0:
             return
+        _log_to_stderr()
         address = os.environ.get(ENV_ADDRESS)
         if not address:
             log.warning("%s is not set: the target runs without remote drafts", ENV_ADDRESS)

@@ -133,7 +133,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             with self._lock:
                 self._streams.pop(stream.id, None)
                 dropped = self._book.close_all(stream.id)
-            log.info("draft stream %d closed (%d requests dropped)", stream.id, dropped)
+            log.info("draft stream %d closed (%d requests dropped); book: %s",
+                     stream.id, dropped, self._book.stats)
         if stream.abort is not None:
             context.abort(*stream.abort)
 

