@@ -64,14 +64,18 @@ class LocalSpec:
         tp: int = 1,
         settings: EngineSettings | None = None,
         draft_ready_timeout: float = 300.0,
+        sink_only: bool = False,
     ):
-        if draft is not None and k < 1:
+        """sink_only: no draft process, but the target's sink listens (k > 0) for
+        drafts from elsewhere; tests use it to play a draft themselves."""
+        if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         if draft is not None and lookahead <= k:
             raise ValueError(f"lookahead ({lookahead}) must be greater than K ({k})")
         self.target = target
         self.draft = draft
-        self.k = k if draft is not None else 0
+        self.k = k if (draft is not None or sink_only) else 0
+        self.sink_only = sink_only
         self.lookahead = lookahead
         self.tp = tp
         self.settings = settings or EngineSettings()
@@ -134,7 +138,8 @@ class LocalSpec:
             )
             self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
             self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
-            port_file = Path(self._tmp.name) / "sink.port"
+        port_file = Path(self._tmp.name) / "sink.port"
+        if self.k > 0:
             os.environ[ENV_ADDRESS] = "127.0.0.1:0"
             os.environ[ENV_PORT_FILE] = str(port_file)
         else:
@@ -154,8 +159,9 @@ class LocalSpec:
         finally:
             if target_cpus is not None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        if self.draft is not None:
+        if self.k > 0:
             self.sink_address = f"127.0.0.1:{int(port_file.read_text())}"
+        if self.draft is not None:
             await self._wait_for_draft()
 
     async def _wait_for_draft(self) -> None:

