@@ -274,6 +274,8 @@ class DraftBook:
         return arr
 
     def _find_indexed(self, h: np.ndarray, max_advance: int, claimed) -> Hashable | None:
+        """The request whose verified prefix h extends; among several (same
+        prompt, say) the one whose drafts agree with h the longest."""
         n = len(h)
         for gain in range(0, max_advance + 1):
             m = n - gain
@@ -282,12 +284,19 @@ class DraftBook:
             bucket = self._index.get((m, int(h[m - 1])))
             if not bucket:
                 continue
+            best, best_agree = None, -1
             for key in bucket:
                 if key in claimed:
                     continue
                 entry = self._entries[key]
-                if np.array_equal(h[:m], entry.tokens[:m]):
-                    return key
+                if not np.array_equal(h[:m], entry.tokens[:m]):
+                    continue
+                end = min(entry.length, n)
+                agree = int(np.argmin(np.append(entry.tokens[m:end] == h[m:end], False)))
+                if agree > best_agree:
+                    best, best_agree = key, agree
+            if best is not None:
+                return best
         return None
 
     def _advance(self, key: Hashable, entry: _Entry, h: np.ndarray, k: int) -> list[int]:

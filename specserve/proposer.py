@@ -56,6 +56,9 @@ def _log_to_stderr() -> None:
 
 class RemoteDraftProposer:
     def __init__(self, vllm_config):
+        from specserve import vllm_fixes
+
+        vllm_fixes.apply()  # before the first verification step
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len

