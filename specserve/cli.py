@@ -207,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from specserve.models import DefaultModelError
+
+        if isinstance(e, DefaultModelError):
+            print(f"specserve: error: {e}", file=sys.stderr)
+            return 2
+        raise
     except KeyboardInterrupt:
         return 130
     return 2
