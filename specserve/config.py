@@ -1,0 +1,558 @@
+"""The specserve application config: one pydantic model, one source of truth.
+
+This module owns:
+- the schema of a specserve deployment (`AppConfig` and its parts): the target
+  pool, the draft pools, speculation settings (K and W), the HTTP ingress and
+  how to reach Ray. Every field carries a `description=`: that text is the
+  reference documentation of every key in `cluster/*.yaml` (and, later, of the
+  Helm values, which are generated from the same model);
+- the cross-field checks that must fail at load time, before anything starts
+  (min <= initial <= max replicas, W > K, unique draft names, ...);
+- loading YAML (`AppConfig.from_yaml`, `AppConfig.embedded_default`) with
+  errors that name the key and say what to do (`ConfigError`), dumping it back
+  (`to_yaml`), and applying command-line overrides (`with_overrides`).
+
+It does not check that model folders exist or that a draft's tokenizer matches
+the target's: a config is often written on one machine for models that live on
+others (e.g. `/models/...` inside the cluster). The CLI and the replicas check
+those where the models are.
+
+Every model forbids unknown keys (`extra="forbid"`), so a typo such as
+`max_replica: 4` is an error instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specserve.models import DEFAULT_MODEL_NAME
+
+# The CPU default that `specserve` runs when given no config file.
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "cluster" / "default.yaml"
+
+# Draft names become part of Serve deployment names (and later Kubernetes
+# object names, which are DNS labels of at most 63 characters); leave room for
+# the prefix the app adds.
+DRAFT_NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+DRAFT_NAME_MAX_LEN = 40
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message has one "field.path: problem"
+    line per problem; `errors` holds those lines."""
+
+    def __init__(self, message: str, errors: list[str] | None = None):
+        super().__init__(message)
+        self.errors = errors or []
+
+
+class _Strict(BaseModel):
+    # extra="forbid": a misspelt key is an error, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid")
+
+
+def _require_non_empty(value: str | None, what: str) -> str | None:
+    if value is not None and not value.strip():
+        raise ValueError(f"{what} must not be empty; remove the key to use the default")
+    return value
+
+
+class Resources(_Strict):
+    """What Ray reserves for each worker of a replica."""
+
+    cpus_per_worker: float = Field(
+        1.0, ge=0,
+        description="CPUs Ray reserves per worker: per tensor-parallel worker for a target "
+                    "(one placement-group bundle each), per replica for a draft.")
+    gpus_per_worker: float = Field(
+        0.0, ge=0,
+        description="GPUs Ray reserves per worker (0 on CPU machines). Fractions below 1 "
+                    "share a GPU; above 1 it must be a whole number (a Ray rule).")
+    accelerator_type: str | None = Field(
+        None,
+        description="Ray accelerator type the worker must run on, e.g. 'H100' for targets "
+                    "or 'L4' for drafts (Ray's accelerator_type option). Null: any.")
+    memory_gib: float | None = Field(
+        None, gt=0,
+        description="Host memory Ray reserves per worker, GiB. Null: no reservation.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment variables for the replica's processes, e.g. "
+                    "VLLM_CPU_OMP_THREADS_BIND. Values are strings (numbers are converted).")
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _accelerator_not_empty(cls, v):
+        return _require_non_empty(v, "accelerator_type")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_to_str(cls, v):
+        # YAML reads `VLLM_CPU_OMP_THREADS_BIND: 0` as an int; environment values
+        # are strings, so accept numbers as written. Booleans are not converted:
+        # YAML turns yes/no/on/off into them, and which spelling the program
+        # expects is anyone's guess, so make the author quote it.
+        if isinstance(v, dict):
+            return {k: str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+                    for k, x in v.items()}
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]):
+        for name in v:
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"environment variable name {name!r} is not valid; "
+                                 "use a name without '=' (e.g. VLLM_CPU_OMP_THREADS_BIND)")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.gpus_per_worker > 1 and not float(self.gpus_per_worker).is_integer():
+            raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) above 1 must be a whole "
+                             "number (Ray only splits single GPUs); use e.g. 1 or 2")
+        if self.accelerator_type is not None and self.gpus_per_worker == 0:
+            raise ValueError(f"accelerator_type ({self.accelerator_type!r}) needs "
+                             "gpus_per_worker > 0; set gpus_per_worker or remove accelerator_type")
+        return self
+
+
+class Autoscaling(_Strict):
+    """Replica count bounds of a pool (Ray Serve autoscaling)."""
+
+    min_replicas: int = Field(
+        1, ge=0, description="Fewest replicas the pool scales down to (0 allows scale to zero).")
+    max_replicas: int = Field(
+        1, ge=1, description="Most replicas the pool scales up to; >= min_replicas.")
+    initial_replicas: int | None = Field(
+        None, ge=0,
+        description="Replicas started at deploy time, between min_replicas and max_replicas. "
+                    "Null: min_replicas.")
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="Seconds the load must stay high before adding replicas.")
+    downscale_delay_s: float = Field(
+        300.0, ge=0, description="Seconds the load must stay low before removing replicas.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is greater than max_replicas "
+                             f"({self.max_replicas}); raise max_replicas or lower min_replicas")
+        if self.initial_replicas is not None and not (
+                self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must be between "
+                             f"min_replicas ({self.min_replicas}) and max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+
+class EngineConfig(_Strict):
+    """vLLM engine settings of one replica."""
+
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest sequence (prompt + output) in tokens. Null: the model's.")
+    max_num_seqs: int = Field(
+        64, ge=1, description="Most sequences the engine batches in one step.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype. 'auto': vLLM's choice for the model.")
+    seed: int = Field(
+        0, ge=0, description="Engine seed for sampling at temperature > 0.")
+    kv_cache_gib: int | None = Field(
+        None, ge=1,
+        description="KV cache size in GiB, CPU engines only (VLLM_CPU_KVCACHE_SPACE). "
+                    "Null: VLLM_CPU_KVCACHE_SPACE or vLLM's default. Ignored on GPU.")
+    enforce_eager: bool = Field(
+        True, description="Run without CUDA graphs / compilation: slower steps, faster start.")
+
+
+class TargetConfig(_Strict):
+    """The target pool: replicas that verify drafts and serve the API's model."""
+
+    model: str | None = Field(
+        None,
+        description="Hugging Face model folder of the target. Null: the embedded default "
+                    f"model ({DEFAULT_MODEL_NAME}), converted into the local cache on first use.")
+    name: str | None = Field(
+        None,
+        description="Model name served by the OpenAI API. Null: the model folder's name "
+                    f"(or {DEFAULT_MODEL_NAME} for the default model).")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="Tensor-parallel workers per target replica (TP); each gets one "
+                    "placement-group bundle of `resources`.")
+    replicas: Autoscaling = Field(
+        default_factory=Autoscaling, description="Replica count bounds of the target pool.")
+    resources: Resources = Field(
+        default_factory=Resources, description="Ray resources per tensor-parallel worker.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="vLLM engine settings of each target replica.")
+    sink_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of each target replica's draft sink (gRPC, drafts stream tokens "
+                    "to it). 0: any free port.")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Most requests Ray Serve sends to one target replica at a time.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, v):
+        return _require_non_empty(v, "model")
+
+    @field_validator("name")
+    @classmethod
+    def _name_not_empty(cls, v):
+        return _require_non_empty(v, "name")
+
+    @model_validator(mode="after")
+    def _check(self):
+        gpus = self.resources.gpus_per_worker
+        if self.tensor_parallel_size > 1 and gpus > 0 and gpus != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} on GPUs needs "
+                             f"resources.gpus_per_worker: 1 (got {gpus}): each tensor-parallel "
+                             "worker drives exactly one GPU")
+        return self
+
+    def served_name(self) -> str:
+        """The model name the OpenAI API serves."""
+        if self.name is not None:
+            return self.name
+        if self.model is None:
+            return DEFAULT_MODEL_NAME
+        return Path(self.model).name or self.model
+
+
+class DraftConfig(_Strict):
+    """One draft pool: replicas of a small model that stream drafts to targets."""
+
+    name: str = Field(
+        ...,
+        description="Unique name of the pool: lowercase letters, digits and '-', at most "
+                    f"{DRAFT_NAME_MAX_LEN} characters; suffix of its Serve deployment name.")
+    model: str = Field(
+        ..., description="Hugging Face model folder of the draft; it must use the target's "
+                         "tokenizer (checked where the models are).")
+    replicas: Autoscaling = Field(
+        default_factory=Autoscaling, description="Replica count bounds of this draft pool.")
+    resources: Resources = Field(
+        default_factory=Resources, description="Ray resources per draft replica.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="vLLM engine settings of each draft replica.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Most requests Ray Serve sends to one draft replica at a time.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_format(cls, v: str):
+        if len(v) > DRAFT_NAME_MAX_LEN or not DRAFT_NAME_RE.fullmatch(v):
+            raise ValueError(f"draft name {v!r} must be lowercase letters, digits and single "
+                             f"'-' between them, at most {DRAFT_NAME_MAX_LEN} characters "
+                             "(e.g. 'llama-1b')")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, v):
+        if not v.strip():
+            raise ValueError("model must be a model folder path, got an empty string")
+        return v
+
+
+class SpeculationConfig(_Strict):
+    """How far drafts run ahead and how much the target verifies per step."""
+
+    num_speculative_tokens: int = Field(
+        4, ge=0, le=MAX_SPECULATIVE_TOKENS,
+        description="K: drafted tokens the target verifies per step. 0 runs target-only "
+                    "(only allowed without drafts).")
+    lookahead: int | None = Field(
+        None, ge=1,
+        description="W: how many tokens past the last verified position a draft may run; "
+                    "must be greater than K. Null: 2K.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        k = self.num_speculative_tokens
+        if k > 0 and self.lookahead is not None and self.lookahead <= k:
+            raise ValueError(f"lookahead ({self.lookahead}) must be greater than "
+                             f"num_speculative_tokens ({k}); raise lookahead or remove it "
+                             f"to use 2K ({2 * k})")
+        return self
+
+    def lookahead_tokens(self) -> int:
+        """The effective W."""
+        return self.lookahead if self.lookahead is not None else 2 * self.num_speculative_tokens
+
+
+class HttpConfig(_Strict):
+    """The router's HTTP ingress (OpenAI API)."""
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to; "
+                                               "0.0.0.0 to accept connections from other hosts.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
+    api_key: str | None = Field(
+        None, description="Bearer token clients must send (Authorization: Bearer ...). "
+                          "Null: no authentication.")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1, description="Largest request body accepted, bytes; "
+                                           "larger requests get HTTP 413.")
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_empty(cls, v: str):
+        if not v.strip():
+            raise ValueError("host must not be empty; use 127.0.0.1 or 0.0.0.0")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_not_empty(cls, v):
+        # An empty key would either lock everyone out or be mistaken for "no
+        # auth"; make the author say which.
+        if v is not None and not v.strip():
+            raise ValueError("api_key is empty; set a key or use null for no authentication")
+        return v
+
+
+class RayConfig(_Strict):
+    """Which Ray cluster to run on."""
+
+    address: str | None = Field(
+        None,
+        description="Ray cluster address, e.g. 'auto' or 'ray://head:10001'. Null: start a "
+                    "local cluster, unless RAY_ADDRESS is set.")
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a local cluster started by specserve. Null: all.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        # Ray treats address "local" as "start a local cluster" too.
+        if self.num_cpus is not None and self.address not in (None, "local"):
+            raise ValueError(f"num_cpus only sizes a local cluster, but address is "
+                             f"{self.address!r}; remove num_cpus or address")
+        return self
+
+
+class AppConfig(_Strict):
+    """A whole specserve deployment."""
+
+    target: TargetConfig = Field(
+        default_factory=TargetConfig, description="The target pool.")
+    drafts: list[DraftConfig] = Field(
+        default_factory=list, description="Draft pools, one per draft model. Empty: target-only.")
+    speculation: SpeculationConfig = Field(
+        default_factory=SpeculationConfig, description="K and W.")
+    http: HttpConfig = Field(
+        default_factory=HttpConfig, description="HTTP ingress.")
+    ray: RayConfig = Field(
+        default_factory=RayConfig, description="Ray cluster.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        # These errors have no single field location pydantic can attach, so
+        # each message starts with the path it is about.
+        seen: dict[str, int] = {}
+        for i, d in enumerate(self.drafts):
+            if d.name in seen:
+                raise ValueError(f"drafts[{i}].name: {d.name!r} is already the name of "
+                                 f"drafts[{seen[d.name]}]; draft names must be unique")
+            seen[d.name] = i
+        if self.drafts and self.speculation.num_speculative_tokens == 0:
+            raise ValueError("speculation.num_speculative_tokens: 0 with drafts configured; "
+                             "set it to 1 or more, or remove the drafts to run target-only")
+        return self
+
+    # ---- loading -------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "config") -> AppConfig:
+        """Validate parsed data; `source` names it in errors (a path, "command line")."""
+        if data is None:  # an empty YAML file: all defaults
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of keys "
+                              f"(target, drafts, ...), got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            lines = [_format_error(err) for err in e.errors()]
+            raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  {l}" for l in lines),
+                              lines) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AppConfig:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass the path of a YAML "
+                              f"file such as {DEFAULT_CONFIG_PATH}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory; pass a YAML file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        stream = io.StringIO(text)
+        stream.name = str(path)  # so YAML errors say `in "path", line N` instead of <unicode string>
+        try:
+            data = yaml.load(stream, Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def embedded_default(cls) -> AppConfig:
+        """The CPU default (`cluster/default.yaml` of the repo)."""
+        if not DEFAULT_CONFIG_PATH.is_file():
+            raise ConfigError(f"the default config {DEFAULT_CONFIG_PATH} is missing: specserve "
+                              "must be installed from its repository (pip install -e .), "
+                              "or pass a config file")
+        return cls.from_yaml(DEFAULT_CONFIG_PATH)
+
+    # ---- deriving ------------------------------------------------------------
+
+    def with_overrides(self, target: str | None = None, drafts: list[str] | None = None,
+                       port: int | None = None, api_key: str | None = None) -> AppConfig:
+        """A new config with the CLI's flags applied; None leaves a setting as it is.
+
+        target: the target model folder. The served name is reset to follow
+          the new folder, since a name set for another model would mislead.
+        drafts: draft model folders (`--draft PATH`, repeatable); they replace
+          the configured pools. Each pool is named from its folder (sanitized,
+          -2, -3, ... for repeats) and copies replicas, resources, engine and
+          max_ongoing_requests from the first configured draft (or defaults).
+          An empty list means no drafts (target-only).
+        """
+        data = self.model_dump()
+        if target is not None:
+            data["target"]["model"] = target
+            data["target"]["name"] = None
+        if drafts is not None:
+            template = self.drafts[0].model_dump() if self.drafts else {}
+            names: list[str] = []
+            pools = []
+            for path in drafts:
+                name = _unique_name(_sanitize_name(path), names)
+                names.append(name)
+                pool = {k: v for k, v in template.items() if k not in ("name", "model")}
+                pools.append({**pool, "name": name, "model": path})
+            data["drafts"] = pools
+        if port is not None:
+            data["http"]["port"] = port
+        if api_key is not None:
+            data["http"]["api_key"] = api_key
+        # Validate again: an override can break a cross-field rule (e.g. drafts
+        # added to a K=0 config).
+        return AppConfig.from_dict(data, source="command line")
+
+    def lookahead_tokens(self) -> int:
+        """The effective W (lookahead, or 2K when unset)."""
+        return self.speculation.lookahead_tokens()
+
+    def to_yaml(self) -> str:
+        """YAML that `from_yaml` reads back into an equal config (all keys, nulls included)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---- helpers -------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key repeated in one mapping: PyYAML keeps the
+    last one silently, which hides copy-paste mistakes."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"found duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _construct_unique_mapping)
+
+
+def _format_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The config model class found at a location such as ("drafts", 0, "replicas")."""
+    model: type[BaseModel] = AppConfig
+    for part in loc:
+        if isinstance(part, int):  # a list index: the list's item type was taken already
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _format_error(err: dict) -> str:
+    """One pydantic error as "field.path: problem"."""
+    loc = tuple(err["loc"])
+    kind = err["type"]
+    msg = err["msg"]
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        key = str(loc[-1])
+        if model is not None:
+            valid = list(model.model_fields)
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            msg = f"unknown key; {hint}valid keys: {', '.join(valid)}"
+        else:
+            msg = "unknown key"
+    elif kind == "value_error":
+        # Our own validators' messages: drop pydantic's "Value error, " prefix.
+        msg = msg.removeprefix("Value error, ")
+        # AppConfig's checks carry their path at the start of the message.
+        if not loc:
+            return msg
+    elif kind != "missing" and isinstance(err.get("input"), (str, int, float, bool, type(None))):
+        msg = f"{msg} (got {err['input']!r})"
+    return f"{_format_loc(loc) or '(top level)'}: {msg}"
+
+
+def _sanitize_name(path: str) -> str:
+    """A draft pool name from a model folder: 'Llama-3.2-1B_Instruct/' -> 'llama-3-2-1b-instruct'."""
+    folder = Path(path).name or path
+    name = re.sub(r"[^a-z0-9]+", "-", folder.lower()).strip("-")
+    name = name[:DRAFT_NAME_MAX_LEN].strip("-")
+    return name or "draft"
+
+
+def _unique_name(base: str, taken: list[str]) -> str:
+    """base, or base-2, base-3, ... (shortened to fit) if base is taken."""
+    if base not in taken:
+        return base
+    n = 2
+    while True:
+        suffix = f"-{n}"
+        candidate = base[:DRAFT_NAME_MAX_LEN - len(suffix)].strip("-") + suffix
+        if candidate not in taken:
+            return candidate
+        n += 1
