@@ -93,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-gib", type=_positive_int("kv-cache-gib"), default=None,
                    help="CPU KV cache per engine, GiB (default: VLLM_CPU_KVCACHE_SPACE or 1)")
 
+    sv = sub.add_parser("serve", help="run the Ray Serve app (OpenAI API) until Ctrl-C")
+    sv.add_argument("config", nargs="?", help="config YAML (default: the embedded CPU default, "
+                    "cluster/default.yaml)")
+    sv.add_argument("--target", help="target model folder (overrides the config)")
+    sv.add_argument("--draft", action="append",
+                    help="draft model folder; repeat for one draft pool per model; "
+                    "'none' for target-only (overrides the config)")
+    sv.add_argument("--port", type=_positive_int("port"), help="HTTP port (overrides the config)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
+
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
@@ -192,6 +202,72 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _serve_config(args):
+    from specserve.config import AppConfig, ConfigError
+    from specserve.models import tokenizers_compatible
+
+    try:
+        cfg = (AppConfig.from_yaml(args.config) if args.config
+               else AppConfig.embedded_default())
+        drafts = args.draft
+        if drafts is not None and [d.lower() for d in drafts] == ["none"]:
+            drafts = []
+        target = _model_dir(args.target, "target") if args.target else None
+        drafts = None if drafts is None else [_model_dir(d, "draft") for d in drafts]
+        cfg = cfg.with_overrides(target=target, drafts=drafts, port=args.port,
+                                 api_key=args.api_key)
+    except ConfigError as e:
+        raise UsageError(str(e).replace("\n", "; "))
+    if cfg.target.model is not None:
+        _model_dir(cfg.target.model, "target")
+    for d in cfg.drafts:
+        _model_dir(d.model, "draft")
+    return cfg, tokenizers_compatible
+
+
+def _run_serve(args) -> int:
+    import signal
+    import threading
+
+    from specserve.models import ensure_default_model
+
+    cfg, tokenizers_compatible = _serve_config(args)
+    target_dir = cfg.target.model or str(ensure_default_model())
+    for d in cfg.drafts:
+        problem = tokenizers_compatible(target_dir, d.model)
+        if problem:
+            raise UsageError(f"draft {d.name}: {problem}")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.run(build_app(cfg), name="specserve", route_prefix="/", blocking=False)
+        url = f"http://{cfg.http.host}:{cfg.http.port}"
+        drafts = ", ".join(d.name for d in cfg.drafts) or "none (target-only)"
+        print(f"specserve: serving {cfg.target.served_name()} at {url}/v1 "
+              f"(drafts: {drafts}); Ctrl-C to stop", flush=True)
+        stop.wait()
+        print("specserve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -199,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "serve":
+            return _run_serve(args)
         if args.command == "models" and args.models_command == "default":
             from specserve.models import ensure_default_model
 

@@ -45,6 +45,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_engine(args, **kwargs):
+    """AsyncLLM.from_engine_args, also returning the processes it started."""
+    import psutil
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    engine = AsyncLLM.from_engine_args(args, **kwargs)
+    procs = [p for p in me.children(recursive=True) if p.pid not in before]
+    return engine, procs
+
+
+def shutdown_engine(engine, procs, timeout: float = 15.0) -> None:
+    """Shut an AsyncLLM down and make sure its processes are gone.
+
+    vLLM's shutdown signals its engine-core and worker processes and returns;
+    a caller that exits right after can leave them orphaned. Wait for them,
+    and kill what is still there after `timeout` seconds.
+    """
+    import psutil
+
+    engine.shutdown()
+    _, alive = psutil.wait_procs([p for p in procs if p.is_running()], timeout=timeout)
+    for p in alive:
+        log.warning("engine process %d did not exit; killing it", p.pid)
+        p.kill()
+
+
 @dataclasses.dataclass
 class Output:
     prompt: str
@@ -81,6 +109,7 @@ class LocalSpec:
         self.settings = settings or EngineSettings()
         self.draft_ready_timeout = draft_ready_timeout
         self.engine = None
+        self._engine_procs: list = []
         self.totals: SpecTotals = SpecTotals()
         self.draft_process: subprocess.Popen | None = None
         self.sink_address: str | None = None
@@ -146,8 +175,6 @@ class LocalSpec:
             os.environ.pop(ENV_ADDRESS, None)
             os.environ.pop(ENV_PORT_FILE, None)
 
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         factory, self.totals = spec_counter_factory()
         args = target_engine_args(self.target, self.settings, tp=self.tp, k=self.k)
         # Building the engine blocks for a while; the draft process loads meanwhile.
@@ -155,7 +182,7 @@ class LocalSpec:
         if target_cpus is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus
         try:
-            self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+            self.engine, self._engine_procs = start_engine(args, stat_loggers=[factory])
         finally:
             if target_cpus is not None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -190,7 +217,7 @@ class LocalSpec:
             except subprocess.TimeoutExpired:
                 self.draft_process.kill()
         if self.engine is not None:
-            self.engine.shutdown()
+            shutdown_engine(self.engine, self._engine_procs)
             self.engine = None
         for var in (ENV_ADDRESS, ENV_PORT_FILE):
             os.environ.pop(var, None)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
-MODEL_VOCAB = 320  # 256 bytes + 3 specials, padded like real checkpoints
+N_TOKENIZER = 259  # 3 specials + 256 bytes
+MODEL_VOCAB = 320  # padded like real checkpoints
 
 
 def build_tokenizer(path: Path | str) -> None:
@@ -31,6 +32,11 @@ def build_tokenizer(path: Path | str) -> None:
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    # A minimal chat template, so the chat endpoint can be tested too.
+    fast.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
     )
     fast.save_pretrained(str(path))
 
@@ -84,6 +90,11 @@ def build_model(
             # Peaky logits: clear greedy margins, a distribution with structure.
             model.lm_head.weight.normal_(0.0, 0.35)
             model.model.embed_tokens.weight.normal_(0.0, 1.0)
+            # Ids past the tokenizer (padding rows) and <unk>/<s> get logit 0,
+            # far below the best real token: outputs decode to the same text in
+            # vLLM and transformers.
+            model.lm_head.weight[N_TOKENIZER:] = 0.0
+            model.lm_head.weight[:2] = 0.0
     model.generation_config.do_sample = False
     model.save_pretrained(str(path), safe_serialization=True)
     build_tokenizer(path)
@@ -93,26 +104,32 @@ def build_model(
 def greedy_reference(model_dir: Path | str, prompts: list[str], max_tokens: int,
                      ignore_eos: bool = True) -> list[list[int]]:
     """Target-only greedy token ids from Hugging Face transformers (the oracle)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    model.eval()
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return greedy_ids_for(model_dir, ids, max_tokens,
+                          eos_token_id=None if ignore_eos else tok.eos_token_id)
+
+
+def greedy_ids_for(model_dir: Path | str, prompts_ids: list[list[int]], max_tokens: int,
+                   eos_token_id: int | None = None) -> list[list[int]]:
+    """Greedy continuation of tokenized prompts, one at a time, with a KV cache."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out = []
-    for prompt in prompts:
-        ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        seq = torch.tensor([ids])
+    for ids in prompts_ids:
         gen: list[int] = []
+        past, x = None, torch.tensor([list(ids)])
         with torch.no_grad():
-            past = None
-            x = seq
             for _ in range(max_tokens):
                 res = model(input_ids=x, past_key_values=past, use_cache=True)
                 past = res.past_key_values
                 nxt = int(res.logits[0, -1].argmax())
                 gen.append(nxt)
-                if not ignore_eos and nxt == tok.eos_token_id:
+                if nxt == eos_token_id:
                     break
                 x = torch.tensor([[nxt]])
         out.append(gen)

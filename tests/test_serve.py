@@ -1,0 +1,137 @@
+"""The Ray Serve app through `specserve serve`, driven by the real `openai` client.
+
+Greedy text equals transformers' target-only greedy text, through completions
+and chat, streaming and not; bad requests get a 400 with an OpenAI-style error
+and the server keeps serving; with its only draft replica killed, requests are
+still served (target alone); SIGTERM shuts everything down.
+"""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from serving import ServeProcess, get, post
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 24
+PROMPTS = ["Hello world", "The quick brown fox"]
+
+
+def tiny_config(models, drafts, tp=1, draft_replicas=1):
+    engine = {"dtype": "float32", "kv_cache_gib": 1}
+    return {
+        "target": {"model": str(models["target"]), "name": "tiny", "tensor_parallel_size": tp,
+                   "resources": {"cpus_per_worker": 1}, "engine": engine},
+        "drafts": [{"name": name, "model": str(models[m]),
+                    "replicas": {"min_replicas": draft_replicas, "max_replicas": draft_replicas},
+                    "resources": {"cpus_per_worker": 0.25}, "engine": engine}
+                   for name, m in drafts],
+        "speculation": {"num_speculative_tokens": 4},
+        "ray": {"num_cpus": 4},
+    }
+
+
+@pytest.fixture(scope="module")
+def app(tiny_models, tmp_path_factory):
+    server = ServeProcess(tiny_config(tiny_models, [("perturbed", "perturbed")]),
+                          tmp_path_factory.mktemp("serve"))
+    try:
+        server.wait_ready("tiny")
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, server.tail()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    """Target-only greedy text from transformers, for plain and chat prompts."""
+    from transformers import AutoTokenizer
+
+    from specserve.testing.tiny import greedy_ids_for
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["target"]))
+    plain = [tok.decode(ids) for ids in greedy_ids_for(tiny_models["target"], [
+        tok(p)["input_ids"] for p in PROMPTS], MAX_TOKENS)]
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                       add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    chat = tok.decode(greedy_ids_for(tiny_models["target"], [list(chat_ids)], MAX_TOKENS)[0])
+    return {"plain": plain, "chat": chat}
+
+
+def client(app):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def test_completions_match_target_only(app, expected):
+    c = client(app)
+    for prompt, want in zip(PROMPTS, expected["plain"]):
+        r = c.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert r.choices[0].text == want
+        assert r.usage.completion_tokens == MAX_TOKENS
+        assert r.choices[0].finish_reason == "length"
+        chunks = list(c.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+
+
+def test_chat_completions_match_target_only(app, expected):
+    c = client(app)
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, **GREEDY)
+    assert r.choices[0].message.content == expected["chat"]
+    assert r.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == expected["chat"]
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_models_and_health(app):
+    assert get(f"{app.url}/healthz") == (200, {"status": "ok"})
+    status, body = get(f"{app.url}/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["tiny"]
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("completions", {"model": "nope", "prompt": "x"}, "does not exist"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
+    ("completions", b'{"model": "tiny", "prompt": ', "JSON"),
+    ("completions", {"model": "tiny", "prompt": "x" * 1100}, "context"),
+    ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("completions", {"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 3}, "seed"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(app, path, body, needle):
+    status, err = post(f"{app.url}/v1/{path}", body)
+    assert status == 400, err
+    assert set(err["error"]) >= {"message", "type", "code"}
+    assert needle in err["error"]["message"], err
+    status, ok = post(f"{app.url}/v1/completions",
+                      {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):
+    drafts = [p for p in psutil.Process(app.proc.pid).children(recursive=True)
+              if "draft-perturbed" in " ".join(p.cmdline())]
+    assert drafts, "no draft replica process found"
+    for p in drafts:
+        os.kill(p.pid, signal.SIGKILL)
+    c = client(app)
+    t0 = time.monotonic()
+    for prompt, want in zip(PROMPTS, expected["plain"]):
+        r = c.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert r.choices[0].text == want
+    assert time.monotonic() - t0 < 60
