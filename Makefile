@@ -28,11 +28,12 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Until the Ray Serve app lands, `serve` runs the default model once through the
-# local draft + target pipeline.
+# The Ray Serve app on the embedded CPU default (cluster/default.yaml), on
+# http://127.0.0.1:8000 until Ctrl-C. Pass a config: make serve CONFIG=my.yaml
+CONFIG ?=
 serve: install
 	$(VENV)/bin/specserve models default
-	$(VENV)/bin/specserve generate --prompt "The capital of France is" --max-tokens 32
+	$(VENV)/bin/specserve serve $(CONFIG)
 
 # Regenerate the checked-in protobuf code (tests check it matches proto/).
 proto: install

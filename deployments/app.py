@@ -48,7 +48,7 @@ def build_app(cfg: AppConfig):
             max_ongoing_requests=d.max_ongoing_requests,
             health_check_period_s=10,
             **_scaling(d.replicas),
-        ).bind(d.model_dump(mode="json"))
+        ).bind(d.model_dump(mode="json"), cfg.target.tensor_parallel_size)
 
     t = cfg.target
     tp = t.tensor_parallel_size

@@ -19,19 +19,22 @@ log = logging.getLogger("specserve.draft")
 
 
 class DraftServer:
-    def __init__(self, draft: dict):
+    def __init__(self, draft: dict, target_tp: int = 1):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from specserve.draft.runner import DraftRunner, VllmDraftModel
-        from specserve.engine import EngineSettings, apply_cpu_env, draft_engine_args
+        from specserve.engine import (
+            EngineSettings,
+            apply_cpu_env,
+            cpu_binding,
+            draft_engine_args,
+        )
 
         self.config = DraftConfig.model_validate(draft)
         os.environ.update(self.config.resources.env)
-        cores = os.cpu_count() or 1
-        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and cores >= 2:
-            # vLLM CPU's "auto" binding would put the draft on the target's core
-            # (core 0); a draft that shares its target's core cannot run ahead.
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores - 1)
+        _, draft_cpus = cpu_binding(target_tp)
+        if draft_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus  # ignored on GPUs
         e = self.config.engine
         settings = EngineSettings(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
                                   seed=e.seed, dtype=e.dtype, kv_cache_gib=e.kv_cache_gib,

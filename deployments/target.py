@@ -42,6 +42,7 @@ class TargetServer:
         from specserve.engine import (
             EngineSettings,
             apply_cpu_env,
+            cpu_binding,
             spec_counter_factory,
             target_engine_args,
         )
@@ -55,6 +56,9 @@ class TargetServer:
         self.lookahead = self.config.lookahead_tokens()
         self.model_dir = t.model or str(ensure_default_model())
         os.environ.update(t.resources.env)
+        target_cpus, _ = cpu_binding(t.tensor_parallel_size)
+        if target_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus  # ignored on GPUs
         e = t.engine
         settings = EngineSettings(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
                                   seed=e.seed, dtype=e.dtype, kv_cache_gib=e.kv_cache_gib,

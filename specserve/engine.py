@@ -43,6 +43,22 @@ def _common_args(model: str, s: EngineSettings) -> dict:
     return args
 
 
+def cpu_binding(tp: int, cores: int | None = None) -> tuple[str | None, str | None]:
+    """OpenMP core lists (target, draft) for vLLM CPU engines on one machine.
+
+    vLLM's "auto" binding puts every engine on the same core; a draft that
+    shares the target's core can never run ahead of it. With TP=1 the target
+    gets core 0 and the draft the rest (what separate hardware would give);
+    with TP=N each target rank gets one core and the draft shares them all.
+    """
+    cores = cores or os.cpu_count() or 1
+    if tp == 1 and cores >= 2:
+        return "0", str(cores - 1) if cores == 2 else f"{cores // 2}-{cores - 1}"
+    if 1 < tp <= cores:
+        return "|".join(str(i) for i in range(tp)), f"0-{cores - 1}"
+    return None, None
+
+
 def apply_cpu_env(s: EngineSettings) -> None:
     """vLLM CPU reads its KV cache size from the environment (GiB)."""
     if s.kv_cache_gib is not None:

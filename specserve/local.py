@@ -28,6 +28,7 @@ import grpc
 
 from specserve.engine import (
     EngineSettings,
+    cpu_binding,
     SpecTotals,
     apply_cpu_env,
     spec_counter_factory,
@@ -132,22 +133,9 @@ class LocalSpec:
         await self.aclose()
 
     def _cpu_binding(self) -> tuple[str | None, str | None]:
-        """OpenMP core lists (target, draft) for vLLM CPU, unless the user set one.
-
-        vLLM's "auto" binding puts every engine on the same core; a draft that
-        shares the target's core can never run ahead of it. Give the draft its
-        own core when the target leaves one free (what separate hardware would do).
-        """
         if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-            return None, None
-        cores = os.cpu_count() or 1
-        if self.tp == 1 and cores >= 2:
-            return "0", str(cores - 1) if cores == 2 else f"{cores // 2}-{cores - 1}"
-        if 1 < self.tp <= cores:
-            # One core per TP rank (vLLM's auto binding wants one NUMA node per
-            # rank); the draft shares them all.
-            return "|".join(str(i) for i in range(self.tp)), f"0-{cores - 1}"
-        return None, None
+            return None, None  # the user's choice
+        return cpu_binding(self.tp)
 
     async def _start(self) -> None:
         apply_cpu_env(self.settings)

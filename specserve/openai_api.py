@@ -3,8 +3,8 @@
 Owns: parsing and validating /v1/completions and /v1/chat/completions request
 bodies (turning every problem into one readable ApiError with an HTTP status),
 the context-length check, the JSON shapes of responses, streaming chunks and
-/v1/models, Server-Sent-Events framing, and cutting generated text at stop
-strings (StopMatcher).
+/v1/models and Server-Sent-Events framing. (Stop strings are applied by the
+target engine, which sees the detokenized text.)
 
 Never does: I/O, HTTP, tokenisation, chat templates, or anything with an engine.
 Callers hand in bytes and token counts and get back models, dicts and strings,
@@ -335,57 +335,3 @@ def models_response(models: list[str], created: int | None = None) -> dict:
 def sse(obj: dict) -> str:
     """One Server-Sent Event. json.dumps escapes newlines, so the frame cannot break."""
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-# ---------------------------------------------------------------- stop strings
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string, OpenAI-style (the stop string
-    itself is not returned).
-
-    A stop string may arrive split across deltas, so text that could be the
-    start of one is held back until it is known either way. The generation
-    stops where a stop string is first complete (earliest end; on a tie, the one
-    starting earliest), which makes the output independent of how the text was
-    split into deltas.
-    """
-
-    def __init__(self, stops: list[str]):
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        self.stops = list(stops)
-        self.stopped = False
-        self._held = ""
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Returns (text safe to emit now, whether a stop string was hit)."""
-        if self.stopped:
-            return "", True
-        text = self._held + delta
-        # Earlier text was already emitted, and held back the longest suffix that
-        # could begin a stop string, so any match starts inside `text`.
-        best = None
-        for s in self.stops:
-            i = text.find(s)
-            if i >= 0 and (best is None or (i + len(s), i) < best):
-                best = (i + len(s), i)
-        if best is not None:
-            self.stopped, self._held = True, ""
-            return text[:best[1]], True
-        keep = self._partial_len(text)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
-
-    def flush(self) -> str:
-        """The held-back text, at the end of a generation that hit no stop string."""
-        held, self._held = self._held, ""
-        return held
-
-    def _partial_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        longest = max((len(s) for s in self.stops), default=0)
-        for k in range(min(len(text), longest - 1), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0

@@ -4,12 +4,11 @@ Pure and fast: no engines, no HTTP."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
 from specserve.openai_api import (
-    MAX_BODY_BYTES, SSE_DONE, ApiError, ChatCompletionRequest, CompletionRequest, StopMatcher,
+    MAX_BODY_BYTES, SSE_DONE, ApiError, ChatCompletionRequest, CompletionRequest,
     chat_chunk, chat_response, check_context, completion_chunk, completion_response,
     effective_max_tokens, finish_reason, models_response, new_chat_id, new_completion_id,
     parse_request, sse, usage_chunk,
@@ -268,75 +267,3 @@ def test_sse_framing():
     assert event.count("\n") == 2  # newlines inside strings are escaped
     assert json.loads(event[len("data: "):]) == {"text": "line1\nline2", "u": "é"}
     assert SSE_DONE == "data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------- stop strings
-
-def run(matcher: StopMatcher, deltas: list[str]) -> tuple[str, bool]:
-    out = []
-    for d in deltas:
-        emit, stopped = matcher.feed(d)
-        out.append(emit)
-        if stopped:
-            return "".join(out), True
-    return "".join(out) + matcher.flush(), False
-
-
-def test_no_stop_strings_passes_everything():
-    m = StopMatcher([])
-    assert m.feed("abc") == ("abc", False)
-    assert m.flush() == ""
-
-
-def test_stop_within_one_delta():
-    assert StopMatcher(["END"]).feed("hello END world") == ("hello ", True)
-
-
-def test_stop_split_across_deltas():
-    m = StopMatcher(["END"])
-    assert m.feed("hello E") == ("hello ", False)  # "E" held back
-    assert m.feed("N") == ("", False)
-    assert m.feed("D and more") == ("", True)
-    assert m.feed("later") == ("", True)  # stays stopped
-
-
-def test_false_alarm_is_released():
-    m = StopMatcher(["END"])
-    assert m.feed("hi EN") == ("hi ", False)
-    assert m.feed("x") == ("ENx", False)
-    assert m.feed("EN") == ("", False)
-    assert m.flush() == "EN"  # generation ended without a stop: emit the rest
-    assert m.flush() == ""
-
-
-def test_multiple_stop_strings_first_complete_wins():
-    assert run(StopMatcher(["\n\n", "###"]), ["a#", "#", "# b\n\n"]) == ("a", True)
-    assert run(StopMatcher(["\n\n", "###"]), ["a\n", "\nb###"]) == ("a", True)
-    # "bc" is complete before "abcd" is, wherever the delta boundaries fall.
-    assert run(StopMatcher(["abcd", "bc"]), ["abcd"]) == ("a", True)
-    assert run(StopMatcher(["abcd", "bc"]), ["a", "b", "c", "d"]) == ("a", True)
-
-
-def test_stop_at_start_and_overlapping_prefixes():
-    assert StopMatcher(["x"]).feed("xyz") == ("", True)
-    assert run(StopMatcher(["aab"]), ["a", "a", "a", "b"]) == ("a", True)
-
-
-def reference_cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Stop where a stop string is first complete, checking one character at a time."""
-    for end in range(1, len(text) + 1):
-        hits = [end - len(s) for s in stops if text[:end].endswith(s)]
-        if hits:
-            return text[:min(hits)], True
-    return text, False
-
-
-def test_stop_matcher_is_independent_of_chunking():
-    rng = random.Random(0)
-    for _ in range(300):
-        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
-        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
-                 for _ in range(rng.randint(1, 3))]
-        cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, len(text))))
-        deltas = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
-        assert run(StopMatcher(stops), deltas) == reference_cut(text, stops), (text, stops, deltas)

@@ -135,3 +135,44 @@ def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):
         r = c.completions.create(model="tiny", prompt=prompt, **GREEDY)
         assert r.choices[0].text == want
     assert time.monotonic() - t0 < 60
+
+
+def test_stop_strings_cut_the_text(app, expected):
+    want = expected["plain"][0]
+    stop = want[6:8]
+    assert stop and stop in want
+    r = client(app).completions.create(model="tiny", prompt=PROMPTS[0], stop=[stop], **GREEDY)
+    assert r.choices[0].text == want[: want.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_api_key_is_required_when_set(tiny_models, tmp_path):
+    config = tiny_config(tiny_models, [])
+    config["http"] = {"api_key": "sesame"}
+    server = ServeProcess(config, tmp_path)
+    try:
+        from serving import post as p
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # wait for the app (healthz needs no key)
+            try:
+                if get(f"{server.url}/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(2)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        status, err = p(f"{server.url}/v1/completions", body)
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+        status, _ = p(f"{server.url}/v1/completions", body,
+                      {"Authorization": "Bearer wrong"})
+        assert status == 401
+        for _ in range(150):
+            status, ok = p(f"{server.url}/v1/completions", body,
+                           {"Authorization": "Bearer sesame"})
+            if status == 200:
+                break
+            time.sleep(2)
+        assert status == 200 and ok["usage"]["completion_tokens"] == 2
+    finally:
+        assert server.stop() == 0, server.tail()
