@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 
+from specserve import logs
 from specserve.config import DraftConfig
 
 log = logging.getLogger("specserve.draft")
@@ -31,6 +32,7 @@ class DraftServer:
         )
 
         self.config = DraftConfig.model_validate(draft)
+        logs.to_stderr("draft")
         os.environ.update(self.config.resources.env)
         _, draft_cpus = cpu_binding(target_tp)
         if draft_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -46,6 +48,7 @@ class DraftServer:
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int):
         """Draft for one request until the caller cancels (streaming call)."""
+        log.debug("drafting %s for %s", request_id, sink_address)
         self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens)
         try:
             yield {"replica": self.replica_name(), "model": self.config.name}

@@ -17,6 +17,7 @@ import uuid
 
 from specserve import openai_api as api
 from specserve.config import AppConfig
+from specserve.stats import RequestRecord, SpecStats, prometheus_text
 
 log = logging.getLogger("specserve.router")
 
@@ -45,6 +46,7 @@ class Router:
         self.model_name = self.config.target.served_name()
         self.api_key = self.config.http.api_key
         self.max_body = self.config.http.max_body_bytes
+        self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
 
     async def __call__(self, request):
         try:
@@ -54,6 +56,17 @@ class Router:
                 return _json({"status": "ok"})
             if route == ("GET", "/v1/models"):
                 return _json(api.models_response([self.model_name]))
+            if route == ("GET", "/v1/spec/stats"):
+                snap = self.stats.snapshot(time.time())
+                # vLLM's engine-wide counters of the target replica that answers,
+                # to cross-check the per-request attribution above.
+                snap["target_engine"] = await self.target.spec_totals.remote()
+                return _json(snap)
+            if route == ("GET", "/metrics"):
+                from starlette.responses import PlainTextResponse
+
+                return PlainTextResponse(prometheus_text(self.stats, time.time()),
+                                         media_type="text/plain; version=0.0.4")
             if route == ("POST", "/v1/completions"):
                 return await self._complete("completion", request)
             if route == ("POST", "/v1/chat/completions"):
@@ -109,6 +122,7 @@ class Router:
         params = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                   "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos}
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        started = time.monotonic()
         stream = self.target.options(stream=True).generate.remote(
             rid, prompt_ids, params, self.choose_draft())
         try:
@@ -116,21 +130,34 @@ class Router:
         except StopAsyncIteration:
             first = None
         except ValueError as e:  # the target refused the request as asked
-            raise api.ApiError(400, str(e).splitlines()[-1][:500])
+            raise api.ApiError(400, str(e).splitlines()[-1][:500]) from None
+        ttft = time.monotonic() - started
         if req.stream:
-            return self._sse(kind, req, rid, len(prompt_ids), first, stream)
+            return self._sse(kind, req, rid, len(prompt_ids), first, stream, started, ttft)
         text, n, finish = "", 0, None
         chunk = first
         while chunk is not None:
             text += chunk["text"]
             n += len(chunk["token_ids"])
             finish = chunk["finish_reason"] or finish
+            self._observe(chunk, n, started, ttft)
             chunk = await anext(stream, None)
         build = api.chat_response if kind == "chat" else api.completion_response
         return _json(build(rid, self.model_name, text, api.finish_reason(finish),
                            len(prompt_ids), n, int(time.time())))
 
-    def _sse(self, kind, req, rid, prompt_tokens, first, stream):
+    def _observe(self, chunk: dict, output_tokens: int, started: float, ttft: float) -> None:
+        """Add a finished request (its last chunk carries "spec") to the stats."""
+        spec = chunk.get("spec")
+        if spec is None:
+            return
+        self.stats.record(RequestRecord(
+            draft_model=spec["draft_model"], draft_replica=spec["draft_replica"],
+            target_replica=spec["target_replica"], k=spec["k"], output_tokens=output_tokens,
+            draft_tokens=spec["draft_tokens"], accepted_histogram=spec["accepted_histogram"],
+            ttft_s=ttft, duration_s=time.monotonic() - started, finished_at=time.time()))
+
+    def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft):
         from starlette.responses import StreamingResponse
 
         created = int(time.time())
@@ -140,6 +167,7 @@ class Router:
             try:
                 while chunk is not None:
                     n += len(chunk["token_ids"])
+                    self._observe(chunk, n, started, ttft)
                     reason = api.finish_reason(chunk["finish_reason"])
                     if kind == "chat":
                         body = api.chat_chunk(rid, self.model_name, chunk["text"], reason,

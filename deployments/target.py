@@ -17,6 +17,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from specserve import logs
 from specserve.config import AppConfig
 
 log = logging.getLogger("specserve.target")
@@ -29,6 +30,15 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:
         return socket.gethostbyname(socket.gethostname())
+
+
+def _replica_name() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:
+        return f"pid-{os.getpid()}"
 
 
 class RequestRejected(ValueError):
@@ -50,6 +60,7 @@ class TargetServer:
         from specserve.proposer import ENV_ADDRESS, ENV_PORT_FILE
 
         self.config = AppConfig.model_validate(config)
+        logs.to_stderr("target")
         t = self.config.target
         self.drafts = dict(drafts or {})
         self.k = self.config.speculation.num_speculative_tokens if self.drafts else 0
@@ -108,31 +119,49 @@ class TargetServer:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
                                                   sampling, request_id):
                 o = out.outputs[0]
-                yield {"text": o.text, "token_ids": list(o.token_ids),
-                       "finish_reason": o.finish_reason}
+                chunk = {"text": o.text, "token_ids": list(o.token_ids),
+                         "finish_reason": o.finish_reason}
+                if o.finish_reason is not None:
+                    chunk["spec"] = self._request_spec(o, drafting)
+                yield chunk
         finally:
             if drafting is not None:
-                call, task = drafting
+                call, task, _ = drafting
                 call.cancel()
                 task.cancel()
+
+    def _request_spec(self, output, drafting) -> dict:
+        """Who drafted this request, and vLLM's acceptance figures for it."""
+        m = output.spec_decode_metrics
+        return {
+            "target_replica": _replica_name(),
+            "draft_model": drafting[2]["model"] if drafting else None,
+            "draft_replica": drafting[2].get("replica") if drafting else None,
+            "k": self.k if drafting else 0,
+            "draft_tokens": m.num_draft_tokens if m is not None else 0,
+            "accepted_histogram": list(m.histogram) if m is not None else [],
+        }
 
     def _start_draft(self, draft, request_id, prompt_ids, max_tokens):
         if self.k == 0 or not self.drafts:
             return None
-        handle = self.drafts.get(draft) or next(iter(self.drafts.values()))
-        call = handle.options(stream=True).draft.remote(
+        name = draft if draft in self.drafts else next(iter(self.drafts))
+        call = self.drafts[name].options(stream=True).draft.remote(
             request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens)
+        who = {"model": name}
 
         async def follow():
             try:
-                async for _ in call:
-                    pass
-            except asyncio.CancelledError:
-                pass
+                async for hello in call:
+                    who.update(hello)
+            except (asyncio.CancelledError, RequestCancelledError):
+                pass  # the request is done: we cancelled the draft call
             except Exception as e:  # drafts are hints: the target goes on alone
                 log.warning("draft for %s ended: %s", request_id, e)
 
-        return call, asyncio.get_running_loop().create_task(follow())
+        from ray.serve.exceptions import RequestCancelledError
+
+        return call, asyncio.get_running_loop().create_task(follow()), who
 
     def spec_totals(self) -> dict:
         t = self.totals

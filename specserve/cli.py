@@ -30,7 +30,7 @@ def _positive_int(name):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
         if v < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
         return v
@@ -42,7 +42,7 @@ def _non_negative_int(name):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
         if v < 0:
             raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
         return v
@@ -53,7 +53,7 @@ def _temperature(s: str) -> float:
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"temperature must be a number, got {s!r}")
+        raise argparse.ArgumentTypeError(f"temperature must be a number, got {s!r}") from None
     if not (v >= 0.0) or v == float("inf"):
         raise argparse.ArgumentTypeError(f"temperature must be >= 0, got {s}")
     return v
@@ -217,12 +217,32 @@ def _serve_config(args):
         cfg = cfg.with_overrides(target=target, drafts=drafts, port=args.port,
                                  api_key=args.api_key)
     except ConfigError as e:
-        raise UsageError(str(e).replace("\n", "; "))
+        raise UsageError(str(e).replace("\n", "; ")) from None
     if cfg.target.model is not None:
         _model_dir(cfg.target.model, "target")
     for d in cfg.drafts:
         _model_dir(d.model, "draft")
     return cfg, tokenizers_compatible
+
+
+def _wait_running(serve, stop, app: str = "specserve") -> None:
+    """Until every deployment (draft pools included) has its replicas up."""
+    import time
+
+    last = None
+    while not stop.is_set():
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"the app failed to deploy: {status.message}")
+        waiting = sorted(name for name, d in (status.deployments if status else {}).items()
+                         if d.status != "HEALTHY")
+        if waiting != last:
+            print(f"specserve: starting {', '.join(waiting) or 'the app'} ...",
+                  file=sys.stderr, flush=True)
+            last = waiting
+        time.sleep(1)
 
 
 def _run_serve(args) -> int:
@@ -254,6 +274,7 @@ def _run_serve(args) -> int:
     try:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         serve.run(build_app(cfg), name="specserve", route_prefix="/", blocking=False)
+        _wait_running(serve, stop)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         drafts = ", ".join(d.name for d in cfg.drafts) or "none (target-only)"
         print(f"specserve: serving {cfg.target.served_name()} at {url}/v1 "

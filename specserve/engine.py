@@ -75,6 +75,10 @@ def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0):
         args["distributed_executor_backend"] = "mp"
     if k > 0:
         args["speculative_config"] = proposer.speculative_config(k)
+        # vLLM's own per-request acceptance (a histogram of accepted counts per
+        # verify step), returned with each finished request: what the router
+        # attributes to the draft replica that drafted it.
+        args["per_request_spec_decode_metrics"] = "summary"
     return AsyncEngineArgs(**args)
 
 
@@ -82,16 +86,6 @@ def draft_engine_args(model: str, s: EngineSettings):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(**_common_args(model, s))
-
-
-def co_located_engine_args(model: str, draft: str, s: EngineSettings, k: int):
-    """vLLM's own draft_model speculative decoding (the baseline we compare with)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    args = _common_args(model, s)
-    args["speculative_config"] = {"method": "draft_model", "model": draft,
-                                  "num_speculative_tokens": k}
-    return AsyncEngineArgs(**args)
 
 
 @dataclasses.dataclass

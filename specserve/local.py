@@ -191,7 +191,7 @@ class LocalSpec:
                 return
             except grpc.aio.AioRpcError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("draft process did not become ready in time")
+                    raise RuntimeError("draft process did not become ready in time") from None
                 await asyncio.sleep(0.5)
 
     async def aclose(self) -> None:

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 
+from specserve import logs
 from specserve.sink import DraftSink
 
 log = logging.getLogger(__name__)
@@ -42,16 +43,6 @@ CLASS_PATH = "specserve.proposer.RemoteDraftProposer"
 def speculative_config(k: int) -> dict:
     """The vLLM speculative_config that plugs this proposer in."""
     return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": k}
-
-
-def _log_to_stderr() -> None:
-    """Worker processes only configure vLLM's logger; give ours a handler too."""
-    root = logging.getLogger("specserve")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s sink %(levelname)s %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
 
 
 class RemoteDraftProposer:
@@ -71,7 +62,7 @@ class RemoteDraftProposer:
 
         if get_tensor_model_parallel_rank() != 0:
             return
-        _log_to_stderr()
+        logs.to_stderr("sink")
         address = os.environ.get(ENV_ADDRESS)
         if not address:
             log.warning("%s is not set: the target runs without remote drafts", ENV_ADDRESS)

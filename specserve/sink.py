@@ -106,7 +106,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
     def stats(self) -> dict:
         with self._lock:
             s = self._book.stats
-            return {**s.__dict__, "open_requests": len(self._book), "streams": len(self._streams)}
+            return {**s.__dict__, "open_requests": len(self._book), "streams": len(self._streams),
+                    "request_errors": self.request_errors}
 
     # ---- the gRPC side ----------------------------------------------------------
 
@@ -171,7 +172,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 else:
                     raise BookError(3, "empty DraftMessage: set open, draft or close")
         except BookError as e:
-            self.request_errors += 1
+            with self._lock:
+                self.request_errors += 1
             if e.code == RESOURCE_EXHAUSTED:
                 stream.cut(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
                 return

@@ -81,11 +81,15 @@ class ServeProcess:
             pass
 
     def wait_ready(self, model: str, timeout: float = 600) -> None:
-        """Until a 1-token completion succeeds (router and target both up)."""
+        """Until `serve` says it is serving (every pool up) and a 1-token
+        completion succeeds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited early:\n{self.tail()}")
+            if "specserve: serving" not in self.tail(10**7):
+                time.sleep(2)
+                continue
             try:
                 status, _ = post(f"{self.url}/v1/completions",
                                  {"model": model, "prompt": "hi", "max_tokens": 1}, timeout=30)

@@ -1,6 +1,5 @@
 """CLI input checks: a one-line error and exit code 2, before any engine starts."""
 
-import json
 
 import pytest
 

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from conftest import EMULATED_TARGET_STEP_MS
 from serving import ServeProcess, get, post
 
 pytestmark = pytest.mark.slow
@@ -37,8 +38,13 @@ def tiny_config(models, drafts, tp=1, draft_replicas=1):
 
 @pytest.fixture(scope="module")
 def app(tiny_models, tmp_path_factory):
-    server = ServeProcess(tiny_config(tiny_models, [("perturbed", "perturbed")]),
-                          tmp_path_factory.mktemp("serve"))
+    # Two draft pools (the router alternates): a perturbed copy of the target and
+    # the target itself. A slower target step (emulated, as in tests/conftest.py)
+    # lets drafts arrive in time, so acceptance can be measured.
+    server = ServeProcess(tiny_config(tiny_models, [("perturbed", "perturbed"),
+                                                     ("same", "target")]),
+                          tmp_path_factory.mktemp("serve"),
+                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
     try:
         server.wait_ready("tiny")
         yield server
@@ -121,6 +127,38 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(app, path, body, need
     status, ok = post(f"{app.url}/v1/completions",
                       {"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def test_spec_stats_attribute_vllm_counters_to_draft_pools(app, expected):
+    c = client(app)
+    for _ in range(2):  # the router alternates pools: each sees each prompt
+        for prompt in PROMPTS:
+            c.completions.create(model="tiny", prompt=prompt, **GREEDY)
+    status, stats = get(f"{app.url}/v1/spec/stats")
+    assert status == 200
+    by_model = {d["model"]: d for d in stats["draft_models"]}
+    assert set(by_model) == {"perturbed", "same"}
+    for d in stats["drafts"]:
+        assert {"model", "replica", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                "accepted_per_position", "coverage", "k"} <= set(d)
+    same, perturbed = by_model["same"], by_model["perturbed"]
+    assert same["draft_tokens"] > 0 and same["acceptance_rate"] >= 0.9, same
+    assert perturbed["acceptance_rate"] < same["acceptance_rate"], (perturbed, same)
+    # The per-request attribution adds up to vLLM's engine-wide counters.
+    engine = stats["target_engine"]
+    assert sum(d["draft_tokens"] for d in stats["drafts"]) == engine["draft_tokens"]
+    assert sum(d["accepted_tokens"] for d in stats["drafts"]) == engine["accepted_tokens"]
+    status, _ = get(f"{app.url}/metrics")  # Prometheus text is not JSON
+    assert status == 200
+
+
+def test_metrics_are_prometheus_text(app):
+    import urllib.request
+
+    with urllib.request.urlopen(f"{app.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert 'specserve_draft_tokens_total{draft_model="same"' in text
+    assert "# TYPE specserve_accepted_tokens_total counter" in text
 
 
 def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):
