@@ -46,10 +46,10 @@ class DraftServer:
         self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len))
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
-                    lookahead: int, max_tokens: int):
+                    lookahead: int, max_tokens: int, k: int = 0):
         """Draft for one request until the caller cancels (streaming call)."""
         log.debug("drafting %s for %s", request_id, sink_address)
-        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens)
+        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k)
         try:
             yield {"replica": self.replica_name(), "model": self.config.name}
             await asyncio.Event().wait()  # until cancelled

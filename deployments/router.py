@@ -16,6 +16,7 @@ import time
 import uuid
 
 from specserve import openai_api as api
+from specserve import policy
 from specserve.config import AppConfig
 from specserve.stats import RequestRecord, SpecStats, prometheus_text
 
@@ -46,7 +47,13 @@ class Router:
         self.model_name = self.config.target.served_name()
         self.api_key = self.config.http.api_key
         self.max_body = self.config.http.max_body_bytes
-        self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
+        self.k_max = self.config.speculation.num_speculative_tokens
+        self.stats = SpecStats(self.k_max)
+        self.inflight: dict[str | None, int] = {}
+        t = self.config.target
+        self.capacity = max(t.replicas.max_replicas, 1) * t.engine.max_num_seqs
+        self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in self.config.drafts}
+        self.last_choice: policy.Choice | None = None
 
     async def __call__(self, request):
         try:
@@ -58,6 +65,8 @@ class Router:
                 return _json(api.models_response([self.model_name]))
             if route == ("GET", "/v1/spec/stats"):
                 snap = self.stats.snapshot(time.time())
+                snap["load"] = self.load()
+                snap["last_choice"] = (self.last_choice.reason if self.last_choice else None)
                 # vLLM's engine-wide counters of the target replica that answers,
                 # to cross-check the per-request attribution above.
                 snap["target_engine"] = await self.target.spec_totals.remote()
@@ -107,11 +116,30 @@ class Router:
             return list(ids)
         return list(self.tokenizer(req.prompt)["input_ids"])
 
-    def choose_draft(self) -> str | None:
-        """Round-robin over the draft pools (acceptance-aware choice comes later)."""
-        if not self.draft_names:
-            return None
-        return self.draft_names[next(self._turn) % len(self.draft_names)]
+    def load(self) -> float:
+        """Share of the target pool's sequence slots in use (0..1)."""
+        return min(sum(self.inflight.values()) / self.capacity, 1.0)
+
+    def choose_draft(self) -> policy.Choice:
+        """Draft pool and K for the next request, from measured acceptance and load."""
+        views = []
+        for name in self.draft_names:
+            f = self.stats.by_model.get(name)
+            views.append(policy.PoolView(
+                name=name, draft_tokens=f.draft_tokens if f else 0,
+                acceptance_rate=f.acceptance_rate if f else 0.0,
+                coverage=f.coverage if f else 0.0, requests=f.requests if f else 0,
+                inflight=self.inflight.get(name, 0), replicas=self.replicas.get(name, 1)))
+        load = self.load()
+        choice = policy.choose(views, self.k_max, load, next(self._turn))
+        for v in views:  # the K each pool would get now (shown in the stats)
+            self.stats.current_k[v.name] = (
+                self.k_max if policy.is_fresh(v)
+                else policy.choose_k(v.acceptance_rate, self.k_max, load))
+        if self.last_choice is None or choice.reason != self.last_choice.reason:
+            log.info("draft choice: %s", choice.reason)
+        self.last_choice = choice
+        return choice
 
     async def _complete(self, kind: str, request):
         raw = await self._read_body(request)
@@ -123,8 +151,20 @@ class Router:
                   "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos}
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         started = time.monotonic()
+        choice = self.choose_draft()
+        self.inflight[choice.pool] = self.inflight.get(choice.pool, 0) + 1
+        streaming = False
+        try:
+            response = await self._run(kind, req, rid, prompt_ids, params, choice, started)
+            streaming = req.stream  # the SSE generator now holds the in-flight count
+            return response
+        finally:
+            if not streaming:
+                self.inflight[choice.pool] -= 1
+
+    async def _run(self, kind, req, rid, prompt_ids, params, choice, started):
         stream = self.target.options(stream=True).generate.remote(
-            rid, prompt_ids, params, self.choose_draft())
+            rid, prompt_ids, params, choice.pool, choice.k)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -133,7 +173,8 @@ class Router:
             raise api.ApiError(400, str(e).splitlines()[-1][:500]) from None
         ttft = time.monotonic() - started
         if req.stream:
-            return self._sse(kind, req, rid, len(prompt_ids), first, stream, started, ttft)
+            return self._sse(kind, req, rid, len(prompt_ids), first, stream, started, ttft,
+                             choice.pool)
         text, n, finish = "", 0, None
         chunk = first
         while chunk is not None:
@@ -157,7 +198,7 @@ class Router:
             draft_tokens=spec["draft_tokens"], accepted_histogram=spec["accepted_histogram"],
             ttft_s=ttft, duration_s=time.monotonic() - started, finished_at=time.time()))
 
-    def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft):
+    def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft, pool):
         from starlette.responses import StreamingResponse
 
         created = int(time.time())
@@ -189,5 +230,6 @@ class Router:
                 yield api.SSE_DONE
             finally:
                 stream.cancel()  # a client that went away frees the engine slot
+                self.inflight[pool] -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")

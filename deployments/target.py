@@ -98,8 +98,12 @@ class TargetServer:
                 "sink_address": self.sink_address, "k": self.k, "drafts": list(self.drafts)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
-                       draft: str | None = None):
-        """Stream {"text", "token_ids", "finish_reason"} deltas for one request."""
+                       draft: str | None = None, k: int | None = None):
+        """Stream {"text", "token_ids", "finish_reason"} deltas for one request.
+
+        draft: the draft pool to ask for drafts (None: the target alone);
+        k: at most this many drafted tokens per step (None: the target's K).
+        The last chunk also carries "spec": who drafted, and vLLM's figures."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -114,7 +118,8 @@ class TargetServer:
             stop=params.get("stop") or None, ignore_eos=params.get("ignore_eos", False),
             output_kind=RequestOutputKind.DELTA,
         )
-        drafting = self._start_draft(draft, request_id, prompt_ids, params["max_tokens"])
+        k = self.k if k is None else min(k, self.k)
+        drafting = self._start_draft(draft, k, request_id, prompt_ids, params["max_tokens"])
         try:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
                                                   sampling, request_id):
@@ -137,18 +142,17 @@ class TargetServer:
             "target_replica": _replica_name(),
             "draft_model": drafting[2]["model"] if drafting else None,
             "draft_replica": drafting[2].get("replica") if drafting else None,
-            "k": self.k if drafting else 0,
+            "k": drafting[2]["k"] if drafting else 0,
             "draft_tokens": m.num_draft_tokens if m is not None else 0,
             "accepted_histogram": list(m.histogram) if m is not None else [],
         }
 
-    def _start_draft(self, draft, request_id, prompt_ids, max_tokens):
-        if self.k == 0 or not self.drafts:
+    def _start_draft(self, draft, k, request_id, prompt_ids, max_tokens):
+        if k <= 0 or draft not in self.drafts:
             return None
-        name = draft if draft in self.drafts else next(iter(self.drafts))
-        call = self.drafts[name].options(stream=True).draft.remote(
-            request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens)
-        who = {"model": name}
+        call = self.drafts[draft].options(stream=True).draft.remote(
+            request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens, k)
+        who = {"model": draft, "k": k}
 
         async def follow():
             try:

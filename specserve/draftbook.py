@@ -62,9 +62,9 @@ class VerifiedUpdate:
 class _Entry:
     """One request's speculative sequence; tokens[:verified] are confirmed."""
 
-    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len")
+    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k")
 
-    def __init__(self, prompt: Sequence[int]):
+    def __init__(self, prompt: Sequence[int], k: int = 0):
         n = len(prompt)
         self.tokens = np.empty(max(16, 2 * n), dtype=np.int64)
         self.tokens[:n] = prompt
@@ -72,6 +72,7 @@ class _Entry:
         self.verified = n  # len(V): the prompt is verified by definition
         self.reported = n  # verified tokens already sent back to the draft
         self.prompt_len = n
+        self.k = k  # at most this many proposed tokens per step; 0: the caller's k
 
     def seq(self) -> np.ndarray:
         return self.tokens[: self.length]
@@ -131,7 +132,7 @@ class DraftBook:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
-    def open(self, key: Hashable, prompt: Sequence[int]) -> None:
+    def open(self, key: Hashable, prompt: Sequence[int], k: int = 0) -> None:
         if key in self._entries:
             raise BookError(ALREADY_EXISTS, f"request {key[-1]!r} is already open on this stream")
         if len(self._entries) >= self.max_requests:
@@ -145,7 +146,7 @@ class DraftBook:
                 f"prompt must have 1..{self.max_prompt_len} tokens, got {len(prompt)}",
             )
         arr = self._checked_tokens(prompt)
-        entry = _Entry(arr)
+        entry = _Entry(arr, k)
         self._entries[key] = entry
         self._index_add(key, entry)
         self._unmatched.add(key)
@@ -312,6 +313,8 @@ class DraftBook:
                 entry.put(v, np.asarray(h[v:n], dtype=np.int64))
             entry.verified = n
         self._index_add(key, entry)
+        if entry.k:
+            k = min(k, entry.k)
         return entry.tokens[n : min(entry.length, n + k)].tolist()
 
     def _index_add(self, key: Hashable, entry: _Entry) -> None:

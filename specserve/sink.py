@@ -160,7 +160,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             with self._lock:
                 if kind == "open":
                     rid = msg.open.request_id
-                    self._book.open((stream.id, rid), msg.open.prompt_token_ids)
+                    self._book.open((stream.id, rid), msg.open.prompt_token_ids,
+                                    k=msg.open.max_draft_tokens)
                 elif kind == "draft":
                     rid = msg.draft.request_id
                     self._book.extend(

@@ -196,3 +196,11 @@ def test_same_prompt_rows_bind_to_the_request_whose_drafts_they_follow():
     # Sampling sent the two rows different ways; each finds its own branch.
     props, _ = b.propose([h(1, 2, 7), h(1, 2, 3)], K, K + 1)
     assert props == [[8, 9], [4, 5]]
+
+
+def test_a_request_opened_with_its_own_k_gets_at_most_k_tokens():
+    b = book()
+    b.open(("s", "r"), [1], k=2)
+    b.extend(("s", "r"), 1, [2, 3, 4, 5, 6])
+    props, _ = b.propose([h(1, 2)], 4, 5)
+    assert props == [[3, 4]]

@@ -34,7 +34,7 @@ class FakeLink:
         self.drafts = []
         self.closed = []
 
-    def open(self, rid, prompt):
+    def open(self, rid, prompt, k=0):
         self.opened[rid] = list(prompt)
 
     def send_draft(self, rid, position, tokens):

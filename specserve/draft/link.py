@@ -28,7 +28,7 @@ class SinkLink:
         self,
         address: str,
         on_verified: Callable[[str, int, list[int]], None],
-        snapshot: Callable[["SinkLink"], list[tuple[str, list[int], list[int]]]],
+        snapshot: Callable[["SinkLink"], list[tuple[str, list[int], list[int], int]]],
         max_queued: int = 4096,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
     ):
@@ -54,9 +54,9 @@ class SinkLink:
 
     # ---- sending (never blocks) ---------------------------------------------------
 
-    def open(self, rid: str, prompt: list[int]) -> None:
-        self._put(spec_pb2.DraftMessage(
-            open=spec_pb2.OpenRequest(request_id=rid, prompt_token_ids=prompt)))
+    def open(self, rid: str, prompt: list[int], k: int = 0) -> None:
+        self._put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
+            request_id=rid, prompt_token_ids=prompt, max_draft_tokens=k)))
 
     def send_draft(self, rid: str, position: int, tokens: list[int]) -> None:
         self._put(spec_pb2.DraftMessage(
@@ -82,9 +82,9 @@ class SinkLink:
             channel = self._channel_factory(self.address)
             queue: asyncio.Queue = asyncio.Queue(maxsize=self._max_queued)
             try:
-                for rid, verified, drafts in self._snapshot(self):
-                    queue.put_nowait(spec_pb2.DraftMessage(
-                        open=spec_pb2.OpenRequest(request_id=rid, prompt_token_ids=verified)))
+                for rid, verified, drafts, k in self._snapshot(self):
+                    queue.put_nowait(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
+                        request_id=rid, prompt_token_ids=verified, max_draft_tokens=k)))
                     if drafts:
                         queue.put_nowait(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
                             request_id=rid, position=len(verified), token_ids=drafts)))

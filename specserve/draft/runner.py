@@ -85,8 +85,10 @@ class _Request:
     segment keeps going: its tokens are checked against the target's as they come.
     """
 
-    def __init__(self, rid: str, prompt: list[int], link: SinkLink, lookahead: int, limit: int):
+    def __init__(self, rid: str, prompt: list[int], link: SinkLink, lookahead: int, limit: int,
+                 k: int = 0):
         self.id = rid
+        self.k = k  # the target proposes at most k of our tokens per step (0: its own K)
         self.verified = list(prompt)
         self.tokens = list(prompt)
         self.link = link
@@ -121,7 +123,7 @@ class DraftRunner:
     # ---- control ----------------------------------------------------------------
 
     def start(self, rid: str, prompt: list[int], sink_address: str, lookahead: int,
-              max_tokens: int) -> None:
+              max_tokens: int, k: int = 0) -> None:
         if not prompt:
             raise ValueError("prompt must not be empty")
         if lookahead < 1 or max_tokens < 1:
@@ -132,10 +134,10 @@ class DraftRunner:
         if link is None:
             link = self._links[sink_address] = self._link_factory(sink_address)
         limit = min(len(prompt) + max_tokens, self.model.max_model_len)
-        req = _Request(rid, prompt, link, lookahead, limit)
+        req = _Request(rid, prompt, link, lookahead, limit, k)
         self._requests[rid] = req
         self.stats.requests += 1
-        link.open(rid, prompt)
+        link.open(rid, prompt, k)
         req.task = asyncio.get_running_loop().create_task(self._run(req), name=f"draft-{rid}")
 
     def cancel(self, rid: str) -> bool:
@@ -176,10 +178,10 @@ class DraftRunner:
             self.stats.rollbacks += 1
         req.changed.set()
 
-    def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int]]]:
-        """(request, verified history, drafts) of a link's requests, to re-open them."""
+    def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int], int]]:
+        """(request, verified history, drafts, k) of a link's requests, to re-open them."""
         return [
-            (r.id, list(r.verified), r.tokens[len(r.verified):])
+            (r.id, list(r.verified), r.tokens[len(r.verified):], r.k)
             for r in self._requests.values()
             if r.link is link
         ]

@@ -38,6 +38,7 @@ class DrafterService(spec_pb2_grpc.DrafterServicer):
                 request.sink_address,
                 lookahead=request.lookahead,
                 max_tokens=request.max_tokens,
+                k=request.max_draft_tokens,
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
