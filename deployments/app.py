@@ -14,13 +14,17 @@ from deployments.router import Router
 from deployments.target import TargetServer
 
 
-def _scaling(r: Autoscaling) -> dict:
+def _scaling(r: Autoscaling, policy: str) -> dict:
+    """Fixed replicas, or autoscaling with specserve's policy (specserve.autoscale)."""
     if r.min_replicas == r.max_replicas:
         return {"num_replicas": r.max_replicas}
     return {"autoscaling_config": {
         "min_replicas": r.min_replicas, "max_replicas": r.max_replicas,
         "initial_replicas": r.initial_replicas,
         "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
+        # Replicas sample record_autoscaling_stats every look_back/5 seconds.
+        "look_back_period_s": 10,
+        "policy": {"policy_function": f"specserve.autoscale:{policy}"},
     }}
 
 
@@ -47,7 +51,7 @@ def build_app(cfg: AppConfig):
             ray_actor_options=_actor_options(d.resources),
             max_ongoing_requests=d.max_ongoing_requests,
             health_check_period_s=10,
-            **_scaling(d.replicas),
+            **_scaling(d.replicas, "draft_policy"),
         ).bind(d.model_dump(mode="json"), cfg.target.tensor_parallel_size)
 
     t = cfg.target
@@ -68,7 +72,7 @@ def build_app(cfg: AppConfig):
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=t.max_ongoing_requests,
         health_check_period_s=10,
-        **_scaling(t.replicas),
+        **_scaling(t.replicas, "target_policy"),
     ).bind(config, drafts)
 
     return serve.deployment(Router).options(

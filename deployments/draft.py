@@ -56,6 +56,11 @@ class DraftServer:
         finally:
             self.runner.cancel(request_id)
 
+    def record_autoscaling_stats(self) -> dict:
+        """Figures for specserve.autoscale.draft_policy (Serve calls this)."""
+        coverage, lag = self.runner.timeliness()
+        return {"coverage": coverage, "lag": lag, "active": float(self.runner.active())}
+
     def stats(self) -> dict:
         return {"replica": self.replica_name(), "model": self.config.name,
                 "active": self.runner.active(), **self.runner.stats.__dict__}

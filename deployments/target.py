@@ -167,6 +167,11 @@ class TargetServer:
 
         return call, asyncio.get_running_loop().create_task(follow()), who
 
+    def record_autoscaling_stats(self) -> dict:
+        """Figures for specserve.autoscale.target_policy (Serve calls this)."""
+        max_seqs = self.config.target.engine.max_num_seqs
+        return {"load": self.totals.running / max_seqs, "waiting": float(self.totals.waiting)}
+
     def spec_totals(self) -> dict:
         t = self.totals
         return {"num_drafts": t.num_drafts, "draft_tokens": t.draft_tokens,

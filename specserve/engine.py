@@ -97,6 +97,8 @@ class SpecTotals:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     draft_per_position: list[int] = dataclasses.field(default_factory=list)
+    running: int = 0  # the engine's batch and queue at its last step
+    waiting: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -115,6 +117,9 @@ def spec_counter_factory():
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                totals.running = scheduler_stats.num_running_reqs
+                totals.waiting = scheduler_stats.num_waiting_reqs
             sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
             if sd is None:
                 return

@@ -16,6 +16,7 @@ or tokenization; talks to sinks through `SinkLink` and to the model through a
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -116,6 +117,9 @@ class DraftRunner:
         self.stats = DraftStats()
         self._requests: dict[str, _Request] = {}
         self._links: dict[str, SinkLink] = {}
+        # (drafts were waiting past the new verified position, tokens behind it)
+        # at each verified update: how timely this draft is, for autoscaling.
+        self._timeliness: collections.deque = collections.deque(maxlen=512)
         self._link_factory = link_factory or (
             lambda address: SinkLink(address, self._on_verified, self._snapshot)
         )
@@ -154,6 +158,15 @@ class DraftRunner:
     def active(self) -> int:
         return len(self._requests)
 
+    def timeliness(self) -> tuple[float, float]:
+        """(share of recent verified updates that found drafts ahead, mean tokens
+        behind the verified position); (1, 0) with no recent updates."""
+        recent = list(self._timeliness)
+        if not recent:
+            return 1.0, 0.0
+        return (sum(a for a, _ in recent) / len(recent),
+                sum(lag for _, lag in recent) / len(recent))
+
     async def close(self) -> None:
         for rid in list(self._requests):
             self.cancel(rid)
@@ -171,6 +184,7 @@ class DraftRunner:
         if end <= len(req.verified):
             return  # nothing new
         self.stats.verified_tokens += end - len(req.verified)
+        self._timeliness.append((len(req.tokens) > end, max(end - len(req.tokens), 0)))
         req.verified[position:] = tokens
         if not req.agrees(position):
             # The target rejected one of our tokens: restart from its history.
