@@ -25,10 +25,10 @@ class DraftServer:
 
         from specserve.draft.runner import DraftRunner, VllmDraftModel
         from specserve.engine import (
-            EngineSettings,
             apply_cpu_env,
             cpu_binding,
             draft_engine_args,
+            settings_from,
         )
 
         self.config = DraftConfig.model_validate(draft)
@@ -37,10 +37,7 @@ class DraftServer:
         _, draft_cpus = cpu_binding(target_tp)
         if draft_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus  # ignored on GPUs
-        e = self.config.engine
-        settings = EngineSettings(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
-                                  seed=e.seed, dtype=e.dtype, kv_cache_gib=e.kv_cache_gib,
-                                  enforce_eager=e.enforce_eager)
+        settings = settings_from(self.config.engine)
         apply_cpu_env(settings)
         self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
         self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len))

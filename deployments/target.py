@@ -50,9 +50,9 @@ class TargetServer:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from specserve.engine import (
-            EngineSettings,
             apply_cpu_env,
             cpu_binding,
+            settings_from,
             spec_counter_factory,
             target_engine_args,
         )
@@ -70,10 +70,7 @@ class TargetServer:
         target_cpus, _ = cpu_binding(t.tensor_parallel_size)
         if target_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus  # ignored on GPUs
-        e = t.engine
-        settings = EngineSettings(max_model_len=e.max_model_len, max_num_seqs=e.max_num_seqs,
-                                  seed=e.seed, dtype=e.dtype, kv_cache_gib=e.kv_cache_gib,
-                                  enforce_eager=e.enforce_eager)
+        settings = settings_from(t.engine)
         apply_cpu_env(settings)
         self._tmp = tempfile.TemporaryDirectory(prefix="specserve-target-")
         port_file = Path(self._tmp.name) / "sink.port"

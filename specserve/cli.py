@@ -25,28 +25,24 @@ class UsageError(Exception):
     """Bad input: printed as one line, exit code 2."""
 
 
-def _positive_int(name):
+def _int_at_least(name: str, low: int):
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {v}")
         return v
     return parse
 
 
-def _non_negative_int(name):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
-    return parse
+def _positive_int(name: str):
+    return _int_at_least(name, 1)
+
+
+def _non_negative_int(name: str):
+    return _int_at_least(name, 0)
 
 
 def _temperature(s: str) -> float:

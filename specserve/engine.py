@@ -27,6 +27,13 @@ class EngineSettings:
     enable_prefix_caching: bool = True
 
 
+def settings_from(engine) -> EngineSettings:
+    """EngineSettings from the config model's EngineConfig (specserve.config)."""
+    return EngineSettings(max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
+                          seed=engine.seed, dtype=engine.dtype, kv_cache_gib=engine.kv_cache_gib,
+                          enforce_eager=engine.enforce_eager)
+
+
 def _common_args(model: str, s: EngineSettings) -> dict:
     args = dict(
         model=model,
