@@ -48,7 +48,8 @@ class DraftServer:
         log.debug("drafting %s for %s", request_id, sink_address)
         self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k)
         try:
-            yield {"replica": self.replica_name(), "model": self.config.name}
+            _, lag = self.runner.timeliness()
+            yield {"replica": self.replica_name(), "model": self.config.name, "lag": lag}
             await asyncio.Event().wait()  # until cancelled
         finally:
             self.runner.cancel(request_id)

@@ -23,6 +23,39 @@ from specserve.stats import RequestRecord, SpecStats, prometheus_text
 log = logging.getLogger("specserve.router")
 
 
+class ServeMetrics:
+    """The same figures as ray.serve.metrics (exported by Ray's metrics agent
+    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics."""
+
+    def __init__(self):
+        from ray.serve.metrics import Counter, Histogram
+
+        tags = ("draft_model", "draft_replica")
+        self.draft_tokens = Counter("specserve_draft_tokens", tag_keys=tags,
+                                    description="Drafted tokens the target verified.")
+        self.accepted_tokens = Counter("specserve_accepted_tokens", tag_keys=tags,
+                                       description="Drafted tokens the target accepted.")
+        self.output_tokens = Counter("specserve_output_tokens", tag_keys=tags,
+                                     description="Tokens emitted to clients.")
+        self.ttft = Histogram("specserve_ttft_seconds", description="Time to first token.",
+                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10])
+        self.tpot = Histogram("specserve_tpot_seconds", description="Time per output token.",
+                              boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
+
+    def observe(self, spec: dict, output_tokens: int, ttft: float, duration: float) -> None:
+        tags = {"draft_model": spec["draft_model"] or "none",
+                "draft_replica": spec["draft_replica"] or "none"}
+        accepted = sum(j * n for j, n in enumerate(spec["accepted_histogram"]))
+        for counter, value in ((self.draft_tokens, spec["draft_tokens"]),
+                               (self.accepted_tokens, accepted),
+                               (self.output_tokens, output_tokens)):
+            if value > 0:  # Ray's counters refuse increments of 0
+                counter.inc(value, tags=tags)
+        self.ttft.observe(ttft)
+        if output_tokens > 1:
+            self.tpot.observe((duration - ttft) / (output_tokens - 1))
+
+
 def _json(body: dict, status: int = 200):
     from starlette.responses import JSONResponse
 
@@ -54,6 +87,7 @@ class Router:
         self.capacity = max(t.replicas.max_replicas, 1) * t.engine.max_num_seqs
         self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in self.config.drafts}
         self.last_choice: policy.Choice | None = None
+        self.metrics = ServeMetrics()
 
     async def __call__(self, request):
         try:
@@ -196,7 +230,10 @@ class Router:
             draft_model=spec["draft_model"], draft_replica=spec["draft_replica"],
             target_replica=spec["target_replica"], k=spec["k"], output_tokens=output_tokens,
             draft_tokens=spec["draft_tokens"], accepted_histogram=spec["accepted_histogram"],
-            ttft_s=ttft, duration_s=time.monotonic() - started, finished_at=time.time()))
+            ttft_s=ttft, duration_s=time.monotonic() - started, finished_at=time.time(),
+            target_running=spec.get("target_running", 0),
+            target_waiting=spec.get("target_waiting", 0), draft_lag=spec.get("draft_lag")))
+        self.metrics.observe(spec, output_tokens, ttft, time.monotonic() - started)
 
     def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft, pool):
         from starlette.responses import StreamingResponse

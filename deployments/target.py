@@ -142,6 +142,9 @@ class TargetServer:
             "k": drafting[2]["k"] if drafting else 0,
             "draft_tokens": m.num_draft_tokens if m is not None else 0,
             "accepted_histogram": list(m.histogram) if m is not None else [],
+            "target_running": self.totals.running,
+            "target_waiting": self.totals.waiting,
+            "draft_lag": drafting[2].get("lag") if drafting else None,
         }
 
     def _start_draft(self, draft, k, request_id, prompt_ids, max_tokens):

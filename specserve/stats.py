@@ -41,6 +41,10 @@ class RequestRecord:
     ttft_s: float
     duration_s: float  # first byte to last token
     finished_at: float
+    # Live figures that came with the request (latest wins, per replica):
+    target_running: int = 0  # the target engine's batch when the request finished
+    target_waiting: int = 0  # ... and its queue
+    draft_lag: float | None = None  # tokens the draft replica was recently behind
 
     @property
     def accepted_tokens(self) -> int:
@@ -120,8 +124,13 @@ def _percentile(values: list[float], q: float) -> float | None:
 class SpecStats:
     """Totals since start plus a window of recent requests for latencies and rates."""
 
-    def __init__(self, k: int, window: int = 512):
+    def __init__(self, k: int, window: int = 512, slo_ttft_s: float = 2.0,
+                 slo_tpot_s: float = 0.2):
         self.k = k
+        self.slo_ttft_s = slo_ttft_s  # goodput counts requests that meet both
+        self.slo_tpot_s = slo_tpot_s
+        self.target_live: dict[str, dict] = {}
+        self.draft_lag: dict[tuple[str, str], float] = {}
         self.by_model: dict[str, Figures] = {}
         self.by_replica: dict[tuple[str, str], Figures] = {}
         self.by_target: dict[str, Figures] = {}
@@ -138,26 +147,47 @@ class SpecStats:
             self.by_replica.setdefault((r.draft_model, r.draft_replica or "?"),
                                        Figures()).add(r, k)
         self.by_target.setdefault(r.target_replica, Figures()).add(r, k)
+        self.target_live[r.target_replica] = {"batch_size": r.target_running,
+                                              "queue_length": r.target_waiting}
+        if r.draft_model is not None and r.draft_lag is not None:
+            self.draft_lag[(r.draft_model, r.draft_replica or "?")] = r.draft_lag
         self.recent.append(r)
 
+    @staticmethod
+    def tpot(r: RequestRecord) -> float | None:
+        return (r.duration_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
     def end_to_end(self, now: float, horizon_s: float = 60.0) -> dict:
+        """Latencies and rates over the requests finished in the last horizon_s.
+
+        goodput: output tokens/s of the requests that met both latency
+        objectives (TTFT <= slo_ttft_s and TPOT <= slo_tpot_s)."""
         recent = [r for r in self.recent if now - r.finished_at <= horizon_s]
-        tokens = sum(r.output_tokens for r in recent)
-        tpots = [(r.duration_s - r.ttft_s) / (r.output_tokens - 1)
-                 for r in recent if r.output_tokens > 1]
+        tpots = [t for t in (self.tpot(r) for r in recent) if t is not None]
+        good = [r for r in recent if r.ttft_s <= self.slo_ttft_s
+                and (self.tpot(r) or 0.0) <= self.slo_tpot_s]
         return {
             "requests": len(recent),
             "ttft_p50_s": _percentile([r.ttft_s for r in recent], 0.5),
             "tpot_p50_s": _percentile(tpots, 0.5),
-            "output_tokens_per_s": tokens / horizon_s,
+            "output_tokens_per_s": sum(r.output_tokens for r in recent) / horizon_s,
+            "goodput_tokens_per_s": sum(r.output_tokens for r in good) / horizon_s,
+            "slo": {"ttft_s": self.slo_ttft_s, "tpot_s": self.slo_tpot_s},
         }
+
+    def _target_rate(self, replica: str, now: float, horizon_s: float = 60.0) -> float:
+        return sum(r.output_tokens for r in self.recent
+                   if r.target_replica == replica and now - r.finished_at <= horizon_s) / horizon_s
 
     def snapshot(self, now: float) -> dict:
         drafts = [{"model": m, "replica": rep, "k": self.current_k.get(m, self.k),
-                   **f.as_dict()} for (m, rep), f in sorted(self.by_replica.items())]
+                   "draft_lag": self.draft_lag.get((m, rep)), **f.as_dict()}
+                  for (m, rep), f in sorted(self.by_replica.items())]
         models = [{"model": m, "replica": "*", "k": self.current_k.get(m, self.k),
                    **f.as_dict()} for m, f in sorted(self.by_model.items())]
-        targets = [{"replica": t, **f.as_dict()} for t, f in sorted(self.by_target.items())]
+        targets = [{"replica": t, **f.as_dict(), **self.target_live.get(t, {}),
+                    "output_tokens_per_s": self._target_rate(t, now)}
+                   for t, f in sorted(self.by_target.items())]
         return {"drafts": drafts, "draft_models": models, "targets": targets,
                 "target_only": self.target_only.as_dict(),
                 "end_to_end": self.end_to_end(now)}
@@ -194,8 +224,18 @@ def prometheus_text(stats: SpecStats, now: float) -> str:
     for m in sorted(stats.by_model):
         lines.append(f'specserve_k{{draft_model="{m}"}} {stats.current_k.get(m, stats.k)}')
     e2e = stats.end_to_end(now)
+    lines += ["# HELP specserve_draft_lag_tokens Tokens a draft replica was behind the "
+              "verified position, recently.", "# TYPE specserve_draft_lag_tokens gauge"]
+    for (m, rep), lag in sorted(stats.draft_lag.items()):
+        lines.append(f'specserve_draft_lag_tokens{{draft_model="{m}",draft_replica="{rep}"}} {lag}')
+    for key, help_text in (("batch_size", "Running requests"), ("queue_length", "Queued requests")):
+        lines += [f"# HELP specserve_target_{key} {help_text} in the target engine.",
+                  f"# TYPE specserve_target_{key} gauge"]
+        for t, live in sorted(stats.target_live.items()):
+            lines.append(f'specserve_target_{key}{{target_replica="{t}"}} {live[key]}')
     for key, name in (("ttft_p50_s", "ttft_p50_seconds"), ("tpot_p50_s", "tpot_p50_seconds"),
-                      ("output_tokens_per_s", "output_tokens_per_second")):
+                      ("output_tokens_per_s", "output_tokens_per_second"),
+                      ("goodput_tokens_per_s", "goodput_tokens_per_second")):
         lines += [f"# HELP specserve_{name} Over the last 60 s of finished requests.",
                   f"# TYPE specserve_{name} gauge",
                   f"specserve_{name} {e2e[key] if e2e[key] is not None else 'NaN'}"]

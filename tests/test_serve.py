@@ -141,7 +141,12 @@ def test_acceptance_steers_requests_and_k(app, expected):
     assert set(by_model) == {"unrelated", "same"}, before
     for d in before["drafts"]:
         assert {"model", "replica", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                "accepted_per_position", "coverage", "k"} <= set(d)
+                "accepted_per_position", "coverage", "k", "draft_lag"} <= set(d)
+    for t in before["targets"]:
+        assert {"replica", "target_steps", "batch_size", "queue_length",
+                "output_tokens_per_s"} <= set(t)
+    assert {"ttft_p50_s", "tpot_p50_s", "output_tokens_per_s",
+            "goodput_tokens_per_s"} <= set(before["end_to_end"])
     same, unrelated = by_model["same"], by_model["unrelated"]
     assert same["draft_tokens"] > 0 and same["acceptance_rate"] >= 0.9, same
     assert unrelated["acceptance_rate"] < 0.3, unrelated

@@ -48,3 +48,22 @@ def test_end_to_end_window_and_prometheus_text():
     assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 6' in text
     assert 'specserve_accepted_per_position_total{draft_model="m",draft_replica="r",position="1"} 1' in text
     assert "# TYPE specserve_k gauge" in text
+
+
+def test_goodput_target_live_figures_and_draft_lag():
+    s = SpecStats(k=2, slo_ttft_s=1.0, slo_tpot_s=0.1)
+    fast = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=0.5, dur=1.0, at=50.0)
+    slow = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=3.0, dur=4.0, at=50.0)
+    fast.target_running, fast.target_waiting, fast.draft_lag = 3, 1, 2.5
+    s.record(slow)
+    s.record(fast)
+    e2e = s.end_to_end(now=60.0)
+    assert e2e["output_tokens_per_s"] == 22 / 60 and e2e["goodput_tokens_per_s"] == 11 / 60
+    snap = s.snapshot(now=60.0)
+    assert snap["targets"][0]["batch_size"] == 3 and snap["targets"][0]["queue_length"] == 1
+    assert snap["targets"][0]["output_tokens_per_s"] == 22 / 60
+    assert snap["drafts"][0]["draft_lag"] == 2.5
+    text = prometheus_text(s, now=60.0)
+    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
+    assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
+    assert "specserve_goodput_tokens_per_second" in text
