@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 
+from deployments import replica_name
 from specserve import logs
 from specserve.config import DraftConfig
 
@@ -49,7 +50,7 @@ class DraftServer:
         self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k)
         try:
             _, lag = self.runner.timeliness()
-            yield {"replica": self.replica_name(), "model": self.config.name, "lag": lag}
+            yield {"replica": replica_name(), "model": self.config.name, "lag": lag}
             await asyncio.Event().wait()  # until cancelled
         finally:
             self.runner.cancel(request_id)
@@ -58,19 +59,6 @@ class DraftServer:
         """Figures for specserve.autoscale.draft_policy (Serve calls this)."""
         coverage, lag = self.runner.timeliness()
         return {"coverage": coverage, "lag": lag, "active": float(self.runner.active())}
-
-    def stats(self) -> dict:
-        return {"replica": self.replica_name(), "model": self.config.name,
-                "active": self.runner.active(), **self.runner.stats.__dict__}
-
-    @staticmethod
-    def replica_name() -> str:
-        try:
-            from ray import serve
-
-            return serve.get_replica_context().replica_tag
-        except Exception:
-            return f"pid-{os.getpid()}"
 
     async def check_health(self) -> None:
         await self.engine.check_health()

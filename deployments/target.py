@@ -17,6 +17,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from deployments import replica_name
 from specserve import logs
 from specserve.config import AppConfig
 
@@ -30,15 +31,6 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:
         return socket.gethostbyname(socket.gethostname())
-
-
-def _replica_name() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_tag
-    except Exception:
-        return f"pid-{os.getpid()}"
 
 
 class RequestRejected(ValueError):
@@ -90,10 +82,6 @@ class TargetServer:
         log.info("target %s ready (TP=%d, K=%d, sink %s)", self.model_dir,
                  t.tensor_parallel_size, self.k, self.sink_address)
 
-    def info(self) -> dict:
-        return {"model_dir": self.model_dir, "max_model_len": self.max_model_len,
-                "sink_address": self.sink_address, "k": self.k, "drafts": list(self.drafts)}
-
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
                        draft: str | None = None, k: int | None = None):
         """Stream {"text", "token_ids", "finish_reason"} deltas for one request.
@@ -136,7 +124,7 @@ class TargetServer:
         """Who drafted this request, and vLLM's acceptance figures for it."""
         m = output.spec_decode_metrics
         return {
-            "target_replica": _replica_name(),
+            "target_replica": replica_name(),
             "draft_model": drafting[2]["model"] if drafting else None,
             "draft_replica": drafting[2].get("replica") if drafting else None,
             "k": drafting[2]["k"] if drafting else 0,

@@ -201,8 +201,6 @@ def test_api_key_is_required_when_set(tiny_models, tmp_path):
     config["http"] = {"api_key": "sesame"}
     server = ServeProcess(config, tmp_path)
     try:
-        from serving import post as p
-
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # wait for the app (healthz needs no key)
             try:
@@ -212,13 +210,13 @@ def test_api_key_is_required_when_set(tiny_models, tmp_path):
                 pass
             time.sleep(2)
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-        status, err = p(f"{server.url}/v1/completions", body)
+        status, err = post(f"{server.url}/v1/completions", body)
         assert status == 401 and err["error"]["type"] == "authentication_error"
-        status, _ = p(f"{server.url}/v1/completions", body,
+        status, _ = post(f"{server.url}/v1/completions", body,
                       {"Authorization": "Bearer wrong"})
         assert status == 401
         for _ in range(150):
-            status, ok = p(f"{server.url}/v1/completions", body,
+            status, ok = post(f"{server.url}/v1/completions", body,
                            {"Authorization": "Bearer sesame"})
             if status == 200:
                 break
