@@ -158,6 +158,7 @@ def test_dashboard_shows_the_figures_of_the_stats(app, tmp_path):
         _wait(driver, "return (window.specserveStats || {autoscaling: []}).autoscaling.length"
                       " && document.querySelectorAll('#decisions-table tr').length",
               "autoscaling decisions")
+        time.sleep(2)  # a few more polls, so the plots have a line to show
         # One snapshot of the page (a script runs between two polls): the stats
         # it drew from and every figure it shows. Retried until no decision or
         # window change fell between the page's poll and ours.

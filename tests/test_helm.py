@@ -244,6 +244,37 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     assert "kubectl -n llm get svc spec-specserve" in notes
 
 
+def test_serve_builds_the_gpu_app_that_fits_its_pods():
+    """What the Serve controller does with serveConfigV2 (Ray's own schema,
+    import and build), and the replicas' needs against the pods' GPUs/CPUs."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.build_app import build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    rs = render(gpu_values())["RayService"]
+    serve_config, app = serve_app(rs)
+    ServeDeploySchema.model_validate(serve_config)
+    built = build_app(call_user_app_builder_with_args_if_necessary(
+        import_attr(app["import_path"]), app["args"]), name=app["name"], default_runtime_env={})
+    deployments = {d.name: d for d in built.deployments}
+    assert set(deployments) == {"router", "target", "draft-llama-1b", "draft-llama-8b"}
+    assert built.ingress_deployment_name == "router"
+
+    g = groups(rs)
+    limits = {name: container(g[name])["resources"]["limits"] for name in ("target", "draft")}
+    bundles = deployments["target"]._replica_config.placement_group_bundles
+    # One target replica (all its tensor-parallel bundles) fits one target pod.
+    assert sum(b["GPU"] for b in bundles) == limits["target"]["nvidia.com/gpu"] == 4
+    assert sum(b["CPU"] for b in bundles) <= float(limits["target"]["cpu"])
+    for name in ("draft-llama-1b", "draft-llama-8b"):
+        d = deployments[name]
+        actor = d._replica_config.ray_actor_options
+        assert actor["num_gpus"] <= limits["draft"]["nvidia.com/gpu"]
+        assert actor["num_cpus"] <= float(limits["draft"]["cpu"])
+        assert d._deployment_config.autoscaling_config.max_replicas in (8, 4)
+
+
 def test_values_schema_rejects_typos_and_bad_values():
     import helm_python as helm
 
