@@ -3,7 +3,8 @@
 A plain class; `deployments.app.build_app` makes it the Serve ingress. It owns
 the edge: authentication, request parsing and validation (through the pure
 `specserve.openai_api`), tokenization (once, here), the choice of draft pool,
-and turning the target's token stream into OpenAI responses or SSE. Bad input
+and turning the target's token stream into OpenAI responses or SSE; and the ops
+views (/v1/spec/stats, /metrics, the /dashboard page). Bad input
 gets a 4xx with an OpenAI-style error body; nothing here can crash the app.
 """
 

@@ -212,13 +212,17 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     assert (draft["minReplicas"], draft["maxReplicas"]) == (3, 12)
     assert draft["template"]["spec"]["nodeSelector"] == {
         "cloud.google.com/gke-accelerator": "nvidia-l4"}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    for group in (head, target, draft):  # the router on the head reads the tokenizer
+        spec = group["template"]["spec"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} \
+            in container(group)["volumeMounts"]
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                            "readOnly": True}} in spec["volumes"]
     for group in (target, draft):
         spec = group["template"]["spec"]
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
             in spec["tolerations"]
-        assert {"name": "models", "mountPath": "/models", "readOnly": True} \
-            in container(group)["volumeMounts"]
-        assert any(v["name"] == "models" for v in spec["volumes"])
 
     # The Service reaches the pods' Serve port; the monitors select what exists.
     svc = objs["Service"]
