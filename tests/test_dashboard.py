@@ -126,7 +126,7 @@ def _browser(tmp_path):
     opts.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--window-size=1400,1250",
+                 "--disable-component-update", "--disable-sync", "--window-size=1400,1400",
                  f"--user-data-dir={tmp_path / 'chromium-profile'}"):
         opts.add_argument(flag)
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
