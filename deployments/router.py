@@ -167,7 +167,7 @@ class Router:
     def _authorize(self, request) -> None:
         # The dashboard page holds no figures (it asks for the key and sends
         # it with every /v1/spec/stats call), so it is public like /healthz.
-        if self.api_key is None or request.url.path in ("/healthz", "/dashboard"):
+        if self.api_key is None or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
             return
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             raise api.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",

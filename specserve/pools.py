@@ -131,4 +131,8 @@ async def fetch(n: int = 20) -> list[dict]:
         actor = await asyncio.to_thread(ray.get_actor, DECISIONS_ACTOR, namespace=NAMESPACE)
     except ValueError:  # not created: no pool autoscales, or no decision yet
         return []
-    return await actor.recent.remote(n)
+    try:
+        return await actor.recent.remote(n)
+    except Exception as e:  # observability only: the stats go on without them
+        log.warning("autoscaling decisions unavailable: %s", e)
+        return []
