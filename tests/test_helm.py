@@ -315,6 +315,18 @@ def test_api_key_and_overrides_reach_the_serve_config():
     assert "Authorization: Bearer" in objs["NOTES"]
 
 
+def test_draft_group_adds_up_its_pools():
+    """Unset bounds count as AppConfig's defaults (1); GPUs round up a share."""
+    rs = render({"specserve": {"drafts": [
+        {"name": "a", "model": "/m"},
+        {"name": "b", "model": "/n", "replicas": {"min_replicas": 0, "max_replicas": 3},
+         "resources": {"gpus_per_worker": 0.5}}]}})["RayService"]
+    check_rayservice(rs)
+    draft = groups(rs)["draft"]
+    assert (draft["minReplicas"], draft["maxReplicas"]) == (1, 4)
+    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
 # ---- the Grafana dashboard ----------------------------------------------------------
 
 PROMQL_FUNCTIONS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase",
