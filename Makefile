@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Long checks have a short form in `make test`; set PYTEST_ARGS to pass more.
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve proto clean
+.PHONY: install test test-fast serve proto clean browser helm-schema
 
 install: $(STAMP)
 
@@ -21,8 +21,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# Debian's chromium and chromedriver, which the /dashboard test drives
+# (installed only when missing; sudo when not root).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+			chromium chromium-driver; \
+	fi
 
 # Pure-logic tests only (seconds): no engines, no processes.
 test-fast: install
@@ -39,6 +49,11 @@ serve: install
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/specserve/v1/spec.proto
+
+# Regenerate the Helm chart's values schema from the config model (a test
+# checks the checked-in helm/specserve/values.schema.json matches).
+helm-schema: install
+	$(PY) -m specserve.chart
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

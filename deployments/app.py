@@ -80,3 +80,10 @@ def build_app(cfg: AppConfig):
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,
     ).bind(config, target, list(drafts))
+
+
+def app_from_args(args: dict):
+    """Serve config entry point (`import_path: deployments.app:app_from_args`):
+    `args` is an AppConfig as a mapping, e.g. the Helm chart's `specserve`
+    values rendered into the RayService's serveConfigV2."""
+    return build_app(AppConfig.from_dict(args, source="serve config args"))

@@ -3,12 +3,14 @@
 A plain class; `deployments.app.build_app` makes it the Serve ingress. It owns
 the edge: authentication, request parsing and validation (through the pure
 `specserve.openai_api`), tokenization (once, here), the choice of draft pool,
-and turning the target's token stream into OpenAI responses or SSE. Bad input
+and turning the target's token stream into OpenAI responses or SSE; and the ops
+views (/v1/spec/stats, /metrics, the /dashboard page). Bad input
 gets a 4xx with an OpenAI-style error body; nothing here can crash the app.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -16,7 +18,7 @@ import time
 import uuid
 
 from specserve import openai_api as api
-from specserve import policy
+from specserve import policy, pools
 from specserve.config import AppConfig
 from specserve.stats import RequestRecord, SpecStats, prometheus_text
 
@@ -56,6 +58,16 @@ class ServeMetrics:
             self.tpot.observe((duration - ttft) / (output_tokens - 1))
 
 
+def _dashboard_page():
+    """The ops page (static HTML + JS shipped in the package, no outside CDN)."""
+    from importlib.resources import files
+
+    from starlette.responses import HTMLResponse
+
+    return HTMLResponse(files("specserve.dashboard").joinpath("index.html").read_text("utf-8"),
+                        headers={"Cache-Control": "no-cache"})
+
+
 def _json(body: dict, status: int = 200):
     from starlette.responses import JSONResponse
 
@@ -88,6 +100,10 @@ class Router:
         self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in self.config.drafts}
         self.last_choice: policy.Choice | None = None
         self.metrics = ServeMetrics()
+        self.bounds = {"target": (t.replicas.min_replicas, t.replicas.max_replicas),
+                       **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
+                          for d in self.config.drafts}}
+        self._pools: tuple[float, list[dict]] = (0.0, [])
 
     async def __call__(self, request):
         try:
@@ -95,6 +111,8 @@ class Router:
             route = (request.method, request.url.path.rstrip("/") or "/")
             if route == ("GET", "/healthz"):
                 return _json({"status": "ok"})
+            if route == ("GET", "/dashboard"):
+                return _dashboard_page()
             if route == ("GET", "/v1/models"):
                 return _json(api.models_response([self.model_name]))
             if route == ("GET", "/v1/spec/stats"):
@@ -104,12 +122,15 @@ class Router:
                 # vLLM's engine-wide counters of the target replica that answers,
                 # to cross-check the per-request attribution above.
                 snap["target_engine"] = await self.target.spec_totals.remote()
+                snap["pools"] = await self.pool_rows()
+                snap["autoscaling"] = await pools.fetch()
                 return _json(snap)
             if route == ("GET", "/metrics"):
                 from starlette.responses import PlainTextResponse
 
-                return PlainTextResponse(prometheus_text(self.stats, time.time()),
-                                         media_type="text/plain; version=0.0.4")
+                text = prometheus_text(self.stats, time.time())
+                text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
+                return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
             if route == ("POST", "/v1/completions"):
                 return await self._complete("completion", request)
             if route == ("POST", "/v1/chat/completions"):
@@ -123,8 +144,30 @@ class Router:
             return _json(api.ApiError(500, "internal error; see the server log",
                                       type="server_error").body(), 500)
 
+    async def pool_rows(self) -> list[dict]:
+        """Replica counts per pool from Serve's status (cached for 2 s)."""
+        at, rows = self._pools
+        if time.monotonic() - at < 2.0:
+            return rows
+        from ray import serve
+
+        try:
+            app = serve.get_replica_context().app_name
+            status = (await asyncio.to_thread(serve.status)).applications.get(app)
+            deployments = {name: {getattr(s, "value", str(s)): n
+                                  for s, n in d.replica_states.items()}
+                           for name, d in (status.deployments.items() if status else ())}
+        except Exception as e:  # the figures are for people; never fail a request
+            log.warning("serve status unavailable: %s", e)
+            deployments = {}
+        rows = pools.replica_counts(deployments, self.bounds)
+        self._pools = (time.monotonic(), rows)
+        return rows
+
     def _authorize(self, request) -> None:
-        if self.api_key is None or request.url.path == "/healthz":
+        # The dashboard page holds no figures (it asks for the key and sends
+        # it with every /v1/spec/stats call), so it is public like /healthz.
+        if self.api_key is None or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
             return
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             raise api.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",

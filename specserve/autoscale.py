@@ -14,13 +14,17 @@ The draft pool grows while its drafts arrive late under load (low coverage with
 lag) and shrinks when idle; the target pool grows with queueing or full batches
 and shrinks when mostly empty. Bounds and delays come from the config (Serve
 applies upscale/downscale delays around these functions). Every decision is
-logged with its reason when it changes, and exported as a gauge.
+logged with its reason when it changes, exported as a gauge and published
+for the router's stats and dashboard (`specserve.pools`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+
+from specserve import pools
 
 # These policies run inside the Serve controller, whose own logger ("ray.serve")
 # is the one that reaches the controller's log and the driver's console.
@@ -83,6 +87,9 @@ def _apply(ctx, decision: Decision, pool: str):
         log.info("specserve autoscale %s: %d -> %d replicas: %s", pool, ctx.current_num_replicas,
                  decision.replicas, decision.reason)
         _export(pool, decision)
+        # For /v1/spec/stats and the /dashboard page (specserve.pools).
+        pools.publish(time.time(), pools.pool_name(pool) or pool, ctx.current_num_replicas,
+                      decision.replicas, decision.reason)
     state.update(reason=decision.reason, replicas=decision.replicas)
     return decision.replicas, state
 

@@ -1,0 +1,1 @@
+"""The /dashboard page: static HTML + JS (index.html), served by the router."""
