@@ -56,6 +56,50 @@ class ServeMetrics:
             self.tpot.observe((duration - ttft) / (output_tokens - 1))
 
 
+def _streaming_response(events, release):
+    """SSE response that runs `release` once, however the stream ends.
+
+    The events generator's own `finally` is not enough: when the client goes
+    away before the body starts, Starlette cancels the response before it ever
+    iterates the generator, and a generator that never started never runs its
+    `finally`. So `release` also runs when the response's ASGI call ends, and,
+    should the response never be called at all (the request was cancelled
+    between returning it and sending it), when the response is collected."""
+    import asyncio
+    import weakref
+
+    from starlette.responses import StreamingResponse
+
+    class _Response(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                release()
+
+    response = _Response(events, media_type="text/event-stream")
+    loop = asyncio.get_running_loop()
+
+    def collected():  # may run on any thread: hand over to the router's loop
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(release)
+
+    weakref.finalize(response, collected)
+    return response
+
+
+class _Once:
+    """Calls fn the first time it is called, never again."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self):
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 def _json(body: dict, status: int = 200):
     from starlette.responses import JSONResponse
 
@@ -104,6 +148,11 @@ class Router:
                 # vLLM's engine-wide counters of the target replica that answers,
                 # to cross-check the per-request attribution above.
                 snap["target_engine"] = await self.target.spec_totals.remote()
+                # Slots held right now: router requests in flight, and (from the
+                # target replica that answers) its engine's unfinished requests
+                # and each draft pool's active drafting requests.
+                snap["router_inflight"] = sum(self.inflight.values())
+                snap["draft_active"] = await self.target.draft_active.remote()
                 return _json(snap)
             if route == ("GET", "/metrics"):
                 from starlette.responses import PlainTextResponse
@@ -236,9 +285,13 @@ class Router:
         self.metrics.observe(spec, output_tokens, ttft, time.monotonic() - started)
 
     def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft, pool):
-        from starlette.responses import StreamingResponse
-
         created = int(time.time())
+
+        def free():  # a client that went away frees the engine slot
+            stream.cancel()
+            self.inflight[pool] -= 1
+
+        release = _Once(free)
 
         async def events():
             n, chunk, is_first = 0, first, True
@@ -266,7 +319,6 @@ class Router:
                 yield "data: " + json.dumps(err.body()) + "\n\n"
                 yield api.SSE_DONE
             finally:
-                stream.cancel()  # a client that went away frees the engine slot
-                self.inflight[pool] -= 1
+                release()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _streaming_response(events(), release)
