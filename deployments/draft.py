@@ -21,7 +21,7 @@ log = logging.getLogger("specserve.draft")
 
 
 class DraftServer:
-    def __init__(self, draft: dict, target_tp: int = 1):
+    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from specserve.draft.runner import DraftRunner, VllmDraftModel
@@ -41,7 +41,10 @@ class DraftServer:
         settings = settings_from(self.config.engine)
         apply_cpu_env(settings)
         self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
-        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len))
+        from specserve.tls import TlsFiles
+
+        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len),
+                                  tls=TlsFiles.from_config(grpc_tls))
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0):
@@ -54,6 +57,10 @@ class DraftServer:
             await asyncio.Event().wait()  # until cancelled
         finally:
             self.runner.cancel(request_id)
+
+    def active(self) -> int:
+        """Requests this replica is drafting for now."""
+        return self.runner.active()
 
     def record_autoscaling_stats(self) -> dict:
         """Figures for specserve.autoscale.draft_policy (Serve calls this)."""

@@ -23,6 +23,18 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
 
 
+def _channel_factory(tls) -> Callable[[str], grpc.aio.Channel]:
+    from specserve import tls as tls_mod
+
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    if tls is None:
+        return lambda a: grpc.aio.insecure_channel(a, options=options)
+    creds = tls_mod.channel_credentials(tls)  # read once: a missing file fails here
+    options += tls_mod.channel_options(tls)
+    return lambda a: grpc.aio.secure_channel(a, creds, options=options)
+
+
 class SinkLink:
     def __init__(
         self,
@@ -31,20 +43,14 @@ class SinkLink:
         snapshot: Callable[["SinkLink"], list[tuple[str, list[int], list[int], int]]],
         max_queued: int = 4096,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        tls=None,
     ):
+        """tls: a specserve.tls.TlsFiles: connect with mutual TLS (None: plaintext)."""
         self.address = address
         self._on_verified = on_verified
         self._snapshot = snapshot
         self._max_queued = max_queued
-        self._channel_factory = channel_factory or (
-            lambda a: grpc.aio.insecure_channel(
-                a,
-                options=[
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ],
-            )
-        )
+        self._channel_factory = channel_factory or _channel_factory(tls)
         self._queue: asyncio.Queue | None = None  # the live connection's outbox
         self._closed = False
         self.connects = 0

@@ -112,7 +112,8 @@ class _Request:
 
 
 class DraftRunner:
-    def __init__(self, model: DraftModel, link_factory=None):
+    def __init__(self, model: DraftModel, link_factory=None, tls=None):
+        """tls: a specserve.tls.TlsFiles for mutual TLS to the sinks (None: plaintext)."""
         self.model = model
         self.stats = DraftStats()
         self._requests: dict[str, _Request] = {}
@@ -121,7 +122,7 @@ class DraftRunner:
         # at each verified update: how timely this draft is, for autoscaling.
         self._timeliness: collections.deque = collections.deque(maxlen=512)
         self._link_factory = link_factory or (
-            lambda address: SinkLink(address, self._on_verified, self._snapshot)
+            lambda address: SinkLink(address, self._on_verified, self._snapshot, tls=tls)
         )
 
     # ---- control ----------------------------------------------------------------
