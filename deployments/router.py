@@ -88,6 +88,24 @@ def _streaming_response(events, release):
     return response
 
 
+# A request whose target replica dies before anything reached the client is
+# run again (Serve routes it to a live replica, or waits for the restarted one).
+TARGET_ATTEMPTS = 2
+
+
+def _replica_failed(e: BaseException) -> bool:
+    """The replica serving a call died or became unreachable (not a bad request)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
+
+
+def _target_failed(e: BaseException) -> api.ApiError:
+    return api.ApiError(503, "the target replica serving this request failed "
+                             f"({type(e).__name__}); retry the request",
+                        type="server_error", code="target_unavailable")
+
+
 class _Once:
     """Calls fn the first time it is called, never again."""
 
@@ -167,7 +185,10 @@ class Router:
                                code="not_found")
         except api.ApiError as e:
             return _json(e.body(), e.status)
-        except Exception:
+        except Exception as e:
+            if _replica_failed(e):
+                log.warning("target replica failed: %s", e)
+                return _json(_target_failed(e).body(), 503)
             log.exception("request failed")
             return _json(api.ApiError(500, "internal error; see the server log",
                                       type="server_error").body(), 500)
@@ -238,16 +259,26 @@ class Router:
         self.inflight[choice.pool] = self.inflight.get(choice.pool, 0) + 1
         streaming = False
         try:
-            response = await self._run(kind, req, rid, prompt_ids, params, choice, started)
+            for attempt in range(1, TARGET_ATTEMPTS + 1):
+                try:
+                    # a fresh engine id per attempt: the dead replica's drafts may linger
+                    response = await self._run(kind, req, rid, prompt_ids, params, choice,
+                                               started, rid if attempt == 1 else f"{rid}-{attempt}")
+                    break
+                except Exception as e:  # nothing was sent to the client yet
+                    if not _replica_failed(e) or attempt == TARGET_ATTEMPTS:
+                        raise
+                    log.warning("target replica failed before %s answered (%s); retrying",
+                                rid, type(e).__name__)
             streaming = req.stream  # the SSE generator now holds the in-flight count
             return response
         finally:
             if not streaming:
                 self.inflight[choice.pool] -= 1
 
-    async def _run(self, kind, req, rid, prompt_ids, params, choice, started):
+    async def _run(self, kind, req, rid, prompt_ids, params, choice, started, engine_rid):
         stream = self.target.options(stream=True).generate.remote(
-            rid, prompt_ids, params, choice.pool, choice.k)
+            engine_rid, prompt_ids, params, choice.pool, choice.k)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -315,7 +346,8 @@ class Router:
                 yield api.SSE_DONE
             except Exception as e:  # the target failed mid-stream: say so, then end
                 log.warning("stream %s failed: %s", rid, e)
-                err = api.ApiError(500, f"generation failed: {e}", type="server_error")
+                err = (_target_failed(e) if _replica_failed(e) else
+                       api.ApiError(500, f"generation failed: {e}", type="server_error"))
                 yield "data: " + json.dumps(err.body()) + "\n\n"
                 yield api.SSE_DONE
             finally:
