@@ -42,7 +42,7 @@ from specserve.testing.certs import SERVER_NAME, make_pki
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Hello world", "The quick brown fox", "abc", "Speculative decoding on CPU"]
-SHORT, LONG = 24, 96
+SHORT, LONG = 24, 400  # LONG: streams that last a few seconds, to kill or leave
 SOAK_SECONDS = float(os.environ.get("SPECSERVE_SOAK_SECONDS", "20"))
 SOAK_CLIENTS = int(os.environ.get("SPECSERVE_SOAK_CLIENTS", "8"))
 FUZZ_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "150"))
@@ -52,7 +52,7 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def app(tiny_models, tmp_path_factory):
     pki = make_pki(tmp_path_factory.mktemp("pki"))
-    engine = {"dtype": "float32", "kv_cache_gib": 1, "max_model_len": 128}
+    engine = {"dtype": "float32", "kv_cache_gib": 1, "max_model_len": 512}
     config = {
         "target": {"model": str(tiny_models["target"]), "name": "tiny",
                    "resources": {"cpus_per_worker": 1}, "engine": engine},
