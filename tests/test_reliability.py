@@ -410,3 +410,7 @@ def test_target_replica_killed_mid_stream(app, expected):
     for j, prompt in enumerate(PROMPTS):
         text, error, done = read_stream(app, prompt, SHORT)
         assert error is None and done and text == expected[SHORT][j]
+    # The dead target's requests do not linger in the draft replica or the router.
+    wait_for(lambda: held(stats(app)) == (0, 0, 0), 120,
+             "router in-flight, target unfinished requests and draft active back to 0",
+             interval=2)
