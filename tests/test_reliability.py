@@ -138,8 +138,14 @@ def stats(app):
 
 def replica_processes(app, name):
     """The Serve replica processes of deployment `name` (e.g. "target", "draft-same")."""
-    return [p for p in psutil.Process(app.proc.pid).children(recursive=True)
-            if f"ServeReplica:specserve:{name}" in " ".join(p.cmdline())]
+    found = []
+    for p in psutil.Process(app.proc.pid).children(recursive=True):
+        try:
+            if f"ServeReplica:specserve:{name}" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
 
 
 def kill_replica(app, name):
