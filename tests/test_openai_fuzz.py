@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from fuzz_bodies import MODEL, chat_bytes, completion_bytes
 from specserve import openai_api as api
 
-FUZZ = settings(max_examples=1500, deadline=None, database=None,
+FUZZ = settings(max_examples=1000, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
