@@ -43,8 +43,11 @@ class DraftServer:
         self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
         from specserve.tls import TlsFiles
 
+        tls = TlsFiles.from_config(grpc_tls)
+        if tls is not None:
+            tls.read()  # a missing file fails the replica here, with its path
         self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len),
-                                  tls=TlsFiles.from_config(grpc_tls))
+                                  tls=tls)
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0):

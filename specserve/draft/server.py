@@ -70,6 +70,7 @@ async def serve(args) -> None:
         from specserve.tls import TlsFiles
 
         tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        tls.read()  # a missing file fails at startup, with its path
     runner = DraftRunner(model, tls=tls)
     server = grpc.aio.server()
     spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
