@@ -19,6 +19,11 @@ from specserve.config import DraftConfig
 
 log = logging.getLogger("specserve.draft")
 
+# A sink unreachable this long means its target replica is gone (a restarted
+# target listens elsewhere): stop drafting for its requests, whether or not
+# the dead target's call is ever cancelled.
+SINK_LOST_S = 30.0
+
 
 class DraftServer:
     def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
@@ -57,7 +62,13 @@ class DraftServer:
         try:
             _, lag = self.runner.timeliness()
             yield {"replica": replica_name(), "model": self.config.name, "lag": lag}
-            await asyncio.Event().wait()  # until cancelled
+            while True:  # until cancelled, or the target is gone
+                await asyncio.sleep(5)
+                down = self.runner.sink_down_for(sink_address)
+                if down > SINK_LOST_S:
+                    log.warning("sink %s unreachable for %.0f s: stop drafting %s",
+                                sink_address, down, request_id)
+                    return
         finally:
             self.runner.cancel(request_id)
 

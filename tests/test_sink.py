@@ -238,3 +238,31 @@ def test_memory_stays_bounded_under_a_flood_of_big_messages():
     finally:
         stop.set()
         sink.stop()
+
+
+def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
+    """A draft replica stops drafting for a target whose sink stays unreachable
+    (deployments/draft.py); the link measures it and a working stream resets it."""
+    import asyncio
+    import socket
+
+    from specserve.draft.link import SinkLink
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+
+    async def main():
+        down = SinkLink(f"127.0.0.1:{dead}", lambda *a: None, lambda link: [])
+        up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: None, lambda link: [])
+        up.open("r", [1, 2])
+        await asyncio.sleep(1.0)
+        assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]  # a verified update for "r"
+        await asyncio.sleep(0.5)
+        result = down.down_since, up.down_since
+        await down.close()
+        await up.close()
+        return result
+
+    down_since, up_since = asyncio.run(main())
+    assert down_since is not None and up_since is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -56,6 +57,9 @@ class SinkLink:
         self.connects = 0
         self.dropped = 0
         self.errors: list[str] = []  # per-request errors the sink sent (latest few)
+        # When the stream last broke with nothing received since (monotonic s);
+        # None while messages arrive. A sink down for long means its target is gone.
+        self.down_since: float | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{address}")
 
     # ---- sending (never blocks) ---------------------------------------------------
@@ -99,6 +103,7 @@ class SinkLink:
                 self.connects += 1
                 async for msg in call:
                     backoff = 0.05
+                    self.down_since = None
                     kind = msg.WhichOneof("kind")
                     if kind == "verified":
                         v = msg.verified
@@ -110,10 +115,14 @@ class SinkLink:
             except asyncio.CancelledError:
                 break
             except grpc.aio.AioRpcError as e:
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
                 if not self._closed:
                     log.warning("draft stream to %s broke (%s: %s); reconnecting",
                                 self.address, e.code().name, e.details())
             except Exception:
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
                 log.exception("draft stream to %s failed; reconnecting", self.address)
             finally:
                 self._queue = None

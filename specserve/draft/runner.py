@@ -19,6 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -158,6 +159,13 @@ class DraftRunner:
 
     def active(self) -> int:
         return len(self._requests)
+
+    def sink_down_for(self, sink_address: str) -> float:
+        """Seconds the stream to this sink has been broken (0 while it works)."""
+        link = self._links.get(sink_address)
+        if link is None or link.down_since is None:
+            return 0.0
+        return time.monotonic() - link.down_since
 
     def timeliness(self) -> tuple[float, float]:
         """(share of recent verified updates that found drafts ahead, mean tokens
