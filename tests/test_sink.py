@@ -252,9 +252,11 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
 
+    got = []
+
     async def main():
         down = SinkLink(f"127.0.0.1:{dead}", lambda *a: None, lambda link: [])
-        up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: None, lambda link: [])
+        up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: got.append(a), lambda link: [])
         up.open("r", [1, 2])
         await asyncio.sleep(1.0)
         assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]  # a verified update for "r"
@@ -265,4 +267,5 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
         return result
 
     down_since, up_since = asyncio.run(main())
-    assert down_since is not None and up_since is None
+    assert down_since is not None
+    assert got == [("r", 2, [3])] and up_since is None  # the working stream delivered
