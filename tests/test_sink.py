@@ -257,8 +257,12 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
     async def main():
         down = SinkLink(f"127.0.0.1:{dead}", lambda *a: None, lambda link: [])
         up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: got.append(a), lambda link: [])
-        up.open("r", [1, 2])
         await asyncio.sleep(1.0)
+        up.open("r", [1, 2])  # (before the stream is up, the snapshot would re-open it)
+        for _ in range(100):
+            if sink.stats()["open_requests"]:
+                break
+            await asyncio.sleep(0.02)
         assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]  # a verified update for "r"
         await asyncio.sleep(0.5)
         result = down.down_since, up.down_since
