@@ -80,7 +80,11 @@ def expected(tiny_models):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_models["target"]))
     ids = [tok(p)["input_ids"] for p in PROMPTS]
-    return {n: [tok.decode(o) for o in greedy_ids_for(tiny_models["target"], ids, n)]
+    # The tiny byte-level model often ends mid-character; vLLM's detokenizer holds
+    # back an incomplete UTF-8 sequence at the end, transformers' decode shows it
+    # as U+FFFD. Every other character must match.
+    return {n: [tok.decode(o).rstrip("\ufffd")
+                for o in greedy_ids_for(tiny_models["target"], ids, n)]
             for n in (SHORT, LONG)}
 
 
