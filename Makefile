@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Long checks have a short form in `make test`; set PYTEST_ARGS to pass more.
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve proto clean browser helm-schema
+.PHONY: install test test-fast soak serve proto clean browser helm-schema
 
 install: $(STAMP)
 
@@ -37,6 +37,12 @@ browser:
 # Pure-logic tests only (seconds): no engines, no processes.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The long soak: 16 streaming clients for 2 minutes against a Serve app on
+# loopback; prints each process's memory at start and end (`make test` runs a
+# 20 s, 8-client form).
+soak: install
+	SPECSERVE_SOAK_SECONDS=120 SPECSERVE_SOAK_CLIENTS=16 $(PY) -m pytest -s -q tests/test_reliability.py -k soak $(PYTEST_ARGS)
 
 # The Ray Serve app on the embedded CPU default (cluster/default.yaml), on
 # http://127.0.0.1:8000 until Ctrl-C. Pass a config: make serve CONFIG=my.yaml

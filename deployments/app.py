@@ -52,7 +52,8 @@ def build_app(cfg: AppConfig):
             max_ongoing_requests=d.max_ongoing_requests,
             health_check_period_s=10,
             **_scaling(d.replicas, "draft_policy"),
-        ).bind(d.model_dump(mode="json"), cfg.target.tensor_parallel_size)
+        ).bind(d.model_dump(mode="json"), cfg.target.tensor_parallel_size,
+               cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None)
 
     t = cfg.target
     tp = t.tensor_parallel_size

@@ -19,9 +19,14 @@ from specserve.config import DraftConfig
 
 log = logging.getLogger("specserve.draft")
 
+# A sink unreachable this long means its target replica is gone (a restarted
+# target listens elsewhere): stop drafting for its requests, whether or not
+# the dead target's call is ever cancelled.
+SINK_LOST_S = 30.0
+
 
 class DraftServer:
-    def __init__(self, draft: dict, target_tp: int = 1):
+    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from specserve.draft.runner import DraftRunner, VllmDraftModel
@@ -41,7 +46,13 @@ class DraftServer:
         settings = settings_from(self.config.engine)
         apply_cpu_env(settings)
         self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
-        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len))
+        from specserve.tls import TlsFiles
+
+        tls = TlsFiles.from_config(grpc_tls)
+        if tls is not None:
+            tls.read()  # a missing file fails the replica here, with its path
+        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len),
+                                  tls=tls)
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0):
@@ -51,9 +62,19 @@ class DraftServer:
         try:
             _, lag = self.runner.timeliness()
             yield {"replica": replica_name(), "model": self.config.name, "lag": lag}
-            await asyncio.Event().wait()  # until cancelled
+            while True:  # until cancelled, or the target is gone
+                await asyncio.sleep(5)
+                down = self.runner.sink_down_for(sink_address)
+                if down > SINK_LOST_S:
+                    log.warning("sink %s unreachable for %.0f s: stop drafting %s",
+                                sink_address, down, request_id)
+                    return
         finally:
             self.runner.cancel(request_id)
+
+    def active(self) -> int:
+        """Requests this replica is drafting for now."""
+        return self.runner.active()
 
     def record_autoscaling_stats(self) -> dict:
         """Figures for specserve.autoscale.draft_policy (Serve calls this)."""

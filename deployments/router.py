@@ -68,6 +68,68 @@ def _dashboard_page():
                         headers={"Cache-Control": "no-cache"})
 
 
+def _streaming_response(events, release):
+    """SSE response that runs `release` once, however the stream ends.
+
+    The events generator's own `finally` is not enough: when the client goes
+    away before the body starts, Starlette cancels the response before it ever
+    iterates the generator, and a generator that never started never runs its
+    `finally`. So `release` also runs when the response's ASGI call ends, and,
+    should the response never be called at all (the request was cancelled
+    between returning it and sending it), when the response is collected."""
+    import asyncio
+    import weakref
+
+    from starlette.responses import StreamingResponse
+
+    class _Response(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                release()
+
+    response = _Response(events, media_type="text/event-stream")
+    loop = asyncio.get_running_loop()
+
+    def collected():  # may run on any thread: hand over to the router's loop
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(release)
+
+    weakref.finalize(response, collected)
+    return response
+
+
+# A request whose target replica dies before anything reached the client is
+# run again (Serve routes it to a live replica, or waits for the restarted one).
+TARGET_ATTEMPTS = 2
+
+
+def _replica_failed(e: BaseException) -> bool:
+    """The replica serving a call died or became unreachable (not a bad request)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
+
+
+def _target_failed(e: BaseException) -> api.ApiError:
+    return api.ApiError(503, "the target replica serving this request failed "
+                             f"({type(e).__name__}); retry the request",
+                        type="server_error", code="target_unavailable")
+
+
+class _Once:
+    """Calls fn the first time it is called, never again."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self):
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 def _json(body: dict, status: int = 200):
     from starlette.responses import JSONResponse
 
@@ -124,6 +186,11 @@ class Router:
                 snap["target_engine"] = await self.target.spec_totals.remote()
                 snap["pools"] = await self.pool_rows()
                 snap["autoscaling"] = await pools.fetch()
+                # Slots held right now: router requests in flight, and (from the
+                # target replica that answers) its engine's unfinished requests
+                # and each draft pool's active drafting requests.
+                snap["router_inflight"] = sum(self.inflight.values())
+                snap["draft_active"] = await self.target.draft_active.remote()
                 return _json(snap)
             if route == ("GET", "/metrics"):
                 from starlette.responses import PlainTextResponse
@@ -139,7 +206,10 @@ class Router:
                                code="not_found")
         except api.ApiError as e:
             return _json(e.body(), e.status)
-        except Exception:
+        except Exception as e:
+            if _replica_failed(e):
+                log.warning("target replica failed: %s", e)
+                return _json(_target_failed(e).body(), 503)
             log.exception("request failed")
             return _json(api.ApiError(500, "internal error; see the server log",
                                       type="server_error").body(), 500)
@@ -232,16 +302,26 @@ class Router:
         self.inflight[choice.pool] = self.inflight.get(choice.pool, 0) + 1
         streaming = False
         try:
-            response = await self._run(kind, req, rid, prompt_ids, params, choice, started)
+            for attempt in range(1, TARGET_ATTEMPTS + 1):
+                try:
+                    # a fresh engine id per attempt: the dead replica's drafts may linger
+                    response = await self._run(kind, req, rid, prompt_ids, params, choice,
+                                               started, rid if attempt == 1 else f"{rid}-{attempt}")
+                    break
+                except Exception as e:  # nothing was sent to the client yet
+                    if not _replica_failed(e) or attempt == TARGET_ATTEMPTS:
+                        raise
+                    log.warning("target replica failed before %s answered (%s); retrying",
+                                rid, type(e).__name__)
             streaming = req.stream  # the SSE generator now holds the in-flight count
             return response
         finally:
             if not streaming:
                 self.inflight[choice.pool] -= 1
 
-    async def _run(self, kind, req, rid, prompt_ids, params, choice, started):
+    async def _run(self, kind, req, rid, prompt_ids, params, choice, started, engine_rid):
         stream = self.target.options(stream=True).generate.remote(
-            rid, prompt_ids, params, choice.pool, choice.k)
+            engine_rid, prompt_ids, params, choice.pool, choice.k)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -279,9 +359,13 @@ class Router:
         self.metrics.observe(spec, output_tokens, ttft, time.monotonic() - started)
 
     def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft, pool):
-        from starlette.responses import StreamingResponse
-
         created = int(time.time())
+
+        def free():  # a client that went away frees the engine slot
+            stream.cancel()
+            self.inflight[pool] -= 1
+
+        release = _Once(free)
 
         async def events():
             n, chunk, is_first = 0, first, True
@@ -305,11 +389,11 @@ class Router:
                 yield api.SSE_DONE
             except Exception as e:  # the target failed mid-stream: say so, then end
                 log.warning("stream %s failed: %s", rid, e)
-                err = api.ApiError(500, f"generation failed: {e}", type="server_error")
+                err = (_target_failed(e) if _replica_failed(e) else
+                       api.ApiError(500, f"generation failed: {e}", type="server_error"))
                 yield "data: " + json.dumps(err.body()) + "\n\n"
                 yield api.SSE_DONE
             finally:
-                stream.cancel()  # a client that went away frees the engine slot
-                self.inflight[pool] -= 1
+                release()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _streaming_response(events(), release)

@@ -20,6 +20,7 @@ from pathlib import Path
 from deployments import replica_name
 from specserve import logs
 from specserve.config import AppConfig
+from specserve.tls import TlsFiles
 
 log = logging.getLogger("specserve.target")
 
@@ -69,6 +70,10 @@ class TargetServer:
         if self.k > 0:
             os.environ[ENV_ADDRESS] = f"0.0.0.0:{t.sink_port}"
             os.environ[ENV_PORT_FILE] = str(port_file)
+            tls = TlsFiles.from_config(self.config.grpc_tls)
+            if tls is not None:
+                tls.read()  # a missing file fails here, with its path
+                os.environ.update(tls.to_env())
         factory, self.totals = spec_counter_factory()
         self.engine = AsyncLLM.from_engine_args(
             target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size, k=self.k),
@@ -164,7 +169,19 @@ class TargetServer:
         t = self.totals
         return {"num_drafts": t.num_drafts, "draft_tokens": t.draft_tokens,
                 "accepted_tokens": t.accepted_tokens,
-                "accepted_per_position": list(t.accepted_per_position)}
+                "accepted_per_position": list(t.accepted_per_position),
+                # requests the engine holds now (running or waiting)
+                "unfinished_requests": self.engine.get_num_unfinished_requests()}
+
+    async def draft_active(self) -> dict:
+        """Requests each draft pool is drafting for now (from one replica of each)."""
+        out = {}
+        for name, handle in self.drafts.items():
+            try:
+                out[name] = await asyncio.wait_for(handle.active.remote(), 10)
+            except Exception as e:  # a dead or restarting draft pool
+                out[name] = f"unavailable: {type(e).__name__}"
+        return out
 
     async def check_health(self) -> None:
         await self.engine.check_health()

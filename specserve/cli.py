@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations dtype of both engines (default: vLLM's choice)")
     g.add_argument("--max-model-len", type=_positive_int("max-model-len"), default=None)
+    g.add_argument("--tls-ca", help="mutual TLS on the draft->target gRPC stream: CA file "
+                   "(with --tls-cert and --tls-key; both ends use them)")
+    g.add_argument("--tls-cert", help="certificate file (PEM) for --tls-ca")
+    g.add_argument("--tls-key", help="private key file (PEM) for --tls-cert")
     g.add_argument("--kv-cache-gib", type=_positive_int("kv-cache-gib"), default=None,
                    help="CPU KV cache per engine, GiB (default: VLLM_CPU_KVCACHE_SPACE or 1)")
 
@@ -133,6 +137,12 @@ def _check_generate(args) -> tuple[str, str | None, int]:
                              f"--num-speculative-tokens ({k})")
     if any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
+    tls_args = [args.tls_ca, args.tls_cert, args.tls_key]
+    if any(tls_args) and not all(tls_args):
+        raise UsageError("TLS needs all of --tls-ca, --tls-cert and --tls-key")
+    for flag, path in zip(("--tls-ca", "--tls-cert", "--tls-key"), tls_args):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
     cores = os.cpu_count() or 1
     if args.target_tp > cores:
         raise UsageError(f"--target-tp {args.target_tp} is more than the {cores} CPU cores here")
@@ -161,8 +171,13 @@ async def _generate(args, target: str, draft: str | None, lookahead: int) -> dic
     kv = args.kv_cache_gib or int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     settings = EngineSettings(max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=kv,
                               dtype=args.dtype)
+    tls = None
+    if args.tls_ca:
+        from specserve.tls import TlsFiles
+
+        tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key)
     async with LocalSpec(target, draft, k=args.num_speculative_tokens, lookahead=lookahead,
-                         tp=args.target_tp, settings=settings) as spec:
+                         tp=args.target_tp, settings=settings, tls=tls) as spec:
         params = sampling_params(args.max_tokens, args.temperature, args.ignore_eos)
         outputs = await run_prompts(spec, tokenizer, args.prompt, params)
         stats = stats_dict(spec.totals, outputs, spec.k)

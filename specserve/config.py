@@ -342,6 +342,28 @@ class RayConfig(_Strict):
         return self
 
 
+class GrpcTlsConfig(_Strict):
+    """Mutual TLS on the draft -> target gRPC stream. Each file must exist on every
+    node that runs a draft or target replica (checked there, when used)."""
+
+    ca_file: str = Field(
+        description="PEM file of the CA that signed the sinks' and drafts' certificates; "
+                    "both ends check the other's certificate against it.")
+    cert_file: str = Field(
+        description="PEM certificate this replica presents: the sink's server certificate "
+                    "on targets, the client certificate on drafts.")
+    key_file: str = Field(description="PEM private key of cert_file.")
+    server_name: str | None = Field(
+        None,
+        description="Name drafts expect in the sink's certificate (sinks are dialled by IP "
+                    "address). Null: the address itself must be in the certificate.")
+
+    @field_validator("ca_file", "cert_file", "key_file", "server_name")
+    @classmethod
+    def _not_empty(cls, v, info):
+        return _require_non_empty(v, info.field_name)
+
+
 class AppConfig(_Strict):
     """A whole specserve deployment."""
 
@@ -355,6 +377,9 @@ class AppConfig(_Strict):
         default_factory=HttpConfig, description="HTTP ingress.")
     ray: RayConfig = Field(
         default_factory=RayConfig, description="Ray cluster.")
+    grpc_tls: GrpcTlsConfig | None = Field(
+        None, description="Mutual TLS on the draft -> target gRPC stream. Null: plaintext "
+                          "(fine on a private network or loopback).")
 
     @model_validator(mode="after")
     def _check(self):

@@ -35,9 +35,12 @@ from specserve.engine import (
     target_engine_args,
 )
 from specserve.proposer import ENV_ADDRESS, ENV_PORT_FILE
+from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+TLS_ENV = (ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME)
 
 
 def free_port() -> int:
@@ -94,9 +97,13 @@ class LocalSpec:
         settings: EngineSettings | None = None,
         draft_ready_timeout: float = 300.0,
         sink_only: bool = False,
+        tls=None,
+        draft_tls=None,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
-        drafts from elsewhere; tests use it to play a draft themselves."""
+        drafts from elsewhere; tests use it to play a draft themselves.
+        tls: a specserve.tls.TlsFiles: mutual TLS between draft and sink.
+        draft_tls: the draft's own files if they differ (tests: a wrong certificate)."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         if draft is not None and lookahead <= k:
@@ -118,6 +125,8 @@ class LocalSpec:
         self._draft_channel = None
         self._tmp = tempfile.TemporaryDirectory(prefix="specserve-")
         self.draft_failures = 0
+        self.tls = tls
+        self.draft_tls = draft_tls if draft_tls is not None else tls
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -150,15 +159,25 @@ class LocalSpec:
                  "--port", str(control_port), "--seed", str(self.settings.seed),
                  "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
                 + (["--max-model-len", str(self.settings.max_model_len)]
-                   if self.settings.max_model_len else []),
+                   if self.settings.max_model_len else [])
+                + (["--tls-ca", self.draft_tls.ca_file, "--tls-cert", self.draft_tls.cert_file,
+                    "--tls-key", self.draft_tls.key_file]
+                   + (["--tls-server-name", self.draft_tls.server_name]
+                      if self.draft_tls.server_name else [])
+                   if self.draft_tls is not None else []),
                 stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
             )
             self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
             self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
         port_file = Path(self._tmp.name) / "sink.port"
+        for var in TLS_ENV:
+            os.environ.pop(var, None)
         if self.k > 0:
             os.environ[ENV_ADDRESS] = "127.0.0.1:0"
             os.environ[ENV_PORT_FILE] = str(port_file)
+            if self.tls is not None:
+                self.tls.read()  # a missing file fails here, with its path
+                os.environ.update(self.tls.to_env())
         else:
             os.environ.pop(ENV_ADDRESS, None)
             os.environ.pop(ENV_PORT_FILE, None)
@@ -207,7 +226,7 @@ class LocalSpec:
         if self.engine is not None:
             shutdown_engine(self.engine, self._engine_procs)
             self.engine = None
-        for var in (ENV_ADDRESS, ENV_PORT_FILE):
+        for var in (ENV_ADDRESS, ENV_PORT_FILE, *TLS_ENV):
             os.environ.pop(var, None)
         self._tmp.cleanup()
 

@@ -14,6 +14,7 @@ class itself, in its own worker processes (which inherit the environment):
   SPECSERVE_SINK_ADDRESS     host:port for the sink (required to serve drafts)
   SPECSERVE_SINK_PORT_FILE   if set, the bound port is written there
   SPECSERVE_SINK_MAX_PENDING drafted tokens buffered per request (default 64)
+  SPECSERVE_SINK_TLS_{CA,CERT,KEY}  mutual TLS on the sink (see specserve/tls.py)
   SPECSERVE_EMULATE_TARGET_STEP_MS  tests only: add this much time to every
                              target step, to emulate a target that is slower
                              than its draft (as on real hardware, where the
@@ -73,7 +74,9 @@ class RemoteDraftProposer:
             max_pending=max(max_pending, self.k),
             max_prompt_len=self.max_model_len,
         )
-        port = sink.start(address)
+        from specserve.tls import TlsFiles
+
+        port = sink.start(address, tls=TlsFiles.from_env())
         port_file = os.environ.get(ENV_PORT_FILE)
         if port_file:
             tmp = f"{port_file}.tmp"

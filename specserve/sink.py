@@ -186,8 +186,9 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
 
     # ---- lifecycle --------------------------------------------------------------
 
-    def start(self, address: str, max_streams: int = 64) -> int:
-        """Serve on host:port (port 0 picks one); returns the bound port."""
+    def start(self, address: str, max_streams: int = 64, tls=None) -> int:
+        """Serve on host:port (port 0 picks one); returns the bound port.
+        tls: a specserve.tls.TlsFiles: mutual TLS, client certificates required."""
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="sink"),
             maximum_concurrent_rpcs=max_streams,
@@ -197,12 +198,18 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             ],
         )
         spec_pb2_grpc.add_DraftSinkServicer_to_server(self, server)
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            from specserve.tls import server_credentials
+
+            port = server.add_secure_port(address, server_credentials(tls))
         if port == 0:
             raise RuntimeError(f"draft sink cannot listen on {address}; pick a free port")
         server.start()
         self._server, self.port = server, port
-        log.info("draft sink listening on %s (port %d)", address, port)
+        log.info("draft sink listening on %s (port %d%s)", address, port,
+                 ", mutual TLS" if tls is not None else "")
         return port
 
     def stop(self, grace: float = 0.5) -> None:

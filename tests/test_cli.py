@@ -65,3 +65,17 @@ def test_lookahead_must_exceed_k_and_prompt_must_fit(tiny_models):
 def test_usage_errors_are_one_line_too():
     one_line_error(run_cli("generate"), "--prompt")
     one_line_error(run_cli("frobnicate"), "invalid choice")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tls-ca", "{ca}"], "TLS needs all of --tls-ca, --tls-cert and --tls-key"),
+    (["--tls-ca", "{ca}", "--tls-cert", "/nope.crt", "--tls-key", "{ca}"],
+     "--tls-cert /nope.crt: no such file"),
+])
+def test_tls_flags(tiny_models, tmp_path, args, needle):
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    t = str(tiny_models["target"])
+    args = [a.format(ca=ca) for a in args]
+    one_line_error(run_cli("generate", "--target", t, "--draft", t, "--prompt", "hi", *args),
+                   needle)

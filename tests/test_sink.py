@@ -148,3 +148,128 @@ def test_a_flood_stays_within_the_buffer_bounds(sink):
     proposals = sink.propose([h(1)], [True], k=4)
     assert len(proposals[0]) <= 4
     c.close()
+
+
+def test_a_stream_cannot_touch_another_streams_requests(sink):
+    """Requests are keyed by (stream, request id): a second stream that names the
+    first one's request id reaches nothing of it (its drafts for the same token
+    history may still be proposed, like any draft, and are verified by the target)."""
+    a, b = Client(sink.port), Client(sink.port)
+    a.open("r", [1, 2, 3])
+    a.draft("r", 3, [4, 5, 6])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 3)
+    b.out.put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id="r")))
+    b.draft("r", 3, [9, 9, 9])
+    err = b.reply().error  # (closing an unknown request is a no-op)
+    assert err.request_id == "r" and err.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert sink.stats()["open_requests"] == 1
+    assert sink.propose([h(1, 2, 3)], [True], k=2) == [[4, 5]]
+    b.close()  # b going away drops b's requests only
+    assert wait_for(lambda: sink.stats()["streams"] == 1)
+    assert sink.stats()["open_requests"] == 1
+    a.close()
+
+
+def test_memory_stays_bounded_under_a_flood_of_big_messages():
+    """Many streams opening requests with big prompts and sending big drafts as
+    fast as they can: open requests, buffered drafts and the process's memory
+    stay bounded (the request limit cuts streams off; drafts past max_pending
+    are dropped)."""
+    import psutil
+
+    sink = DraftSink(vocab_size=100, max_requests=16, max_pending=16, max_prompt_len=200_000)
+    sink.start("127.0.0.1:0")
+    me = psutil.Process()
+    stop = threading.Event()
+    big_prompt = [1] * 150_000  # ~0.6 MB per message on the wire
+    rng = np.random.default_rng(0)
+    sent = [0]
+
+    def flood(i):
+        channel = grpc.insecure_channel(f"127.0.0.1:{sink.port}", options=[
+            ("grpc.max_send_message_length", 8 << 20)])
+
+        def msgs():
+            n = 0
+            while not stop.is_set():
+                rid = f"s{i}-r{n % 40}"
+                yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
+                    request_id=rid, prompt_token_ids=big_prompt))
+                yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                    request_id=rid, position=len(big_prompt),
+                    token_ids=rng.integers(0, 100, 50_000).tolist()))
+                sent[0] += 2
+                n += 1
+
+        while not stop.is_set():  # reconnect after each cut-off, like a real draft
+            try:
+                for _ in spec_pb2_grpc.DraftSinkStub(channel).Connect(msgs()):
+                    pass
+            except grpc.RpcError:
+                pass
+        channel.close()
+
+    try:
+        baseline = me.memory_info().rss
+        threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        peak_requests = peak_buffered = 0
+        peak_rss = baseline
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            s = sink.stats()
+            peak_requests = max(peak_requests, s["open_requests"])
+            with sink._lock:  # drafted tokens held past each verified position
+                held = [e.length - e.verified for e in sink._book._entries.values()]
+            peak_buffered = max([peak_buffered, *held])
+            peak_rss = max(peak_rss, me.memory_info().rss)
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert sent[0] > 200, "the flood did not get going"
+        assert peak_requests <= 16 and peak_buffered <= 16, (peak_requests, peak_buffered)
+        # 16 open requests of 150k tokens are ~10 MB in the book; gRPC buffers
+        # a few messages per stream. Unbounded buffering would be gigabytes.
+        grown = (peak_rss - baseline) / (1 << 20)
+        print(f"flood: {sent[0]} messages, peak RSS growth {grown:.0f} MiB")
+        assert grown < 300, f"memory grew by {grown:.0f} MiB under the flood"
+    finally:
+        stop.set()
+        sink.stop()
+
+
+def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
+    """A draft replica stops drafting for a target whose sink stays unreachable
+    (deployments/draft.py); the link measures it and a working stream resets it."""
+    import asyncio
+    import socket
+
+    from specserve.draft.link import SinkLink
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+
+    got = []
+
+    async def main():
+        down = SinkLink(f"127.0.0.1:{dead}", lambda *a: None, lambda link: [])
+        up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: got.append(a), lambda link: [])
+        await asyncio.sleep(1.0)
+        up.open("r", [1, 2])  # (before the stream is up, the snapshot would re-open it)
+        for _ in range(100):
+            if sink.stats()["open_requests"]:
+                break
+            await asyncio.sleep(0.02)
+        assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]  # a verified update for "r"
+        await asyncio.sleep(0.5)
+        result = down.down_since, up.down_since
+        await down.close()
+        await up.close()
+        return result
+
+    down_since, up_since = asyncio.run(main())
+    assert down_since is not None
+    assert got == [("r", 2, [3])] and up_since is None  # the working stream delivered

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -23,6 +24,18 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
 
 
+def _channel_factory(tls) -> Callable[[str], grpc.aio.Channel]:
+    from specserve import tls as tls_mod
+
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    if tls is None:
+        return lambda a: grpc.aio.insecure_channel(a, options=options)
+    creds = tls_mod.channel_credentials(tls)  # read once: a missing file fails here
+    options += tls_mod.channel_options(tls)
+    return lambda a: grpc.aio.secure_channel(a, creds, options=options)
+
+
 class SinkLink:
     def __init__(
         self,
@@ -31,25 +44,22 @@ class SinkLink:
         snapshot: Callable[["SinkLink"], list[tuple[str, list[int], list[int], int]]],
         max_queued: int = 4096,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        tls=None,
     ):
+        """tls: a specserve.tls.TlsFiles: connect with mutual TLS (None: plaintext)."""
         self.address = address
         self._on_verified = on_verified
         self._snapshot = snapshot
         self._max_queued = max_queued
-        self._channel_factory = channel_factory or (
-            lambda a: grpc.aio.insecure_channel(
-                a,
-                options=[
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ],
-            )
-        )
+        self._channel_factory = channel_factory or _channel_factory(tls)
         self._queue: asyncio.Queue | None = None  # the live connection's outbox
         self._closed = False
         self.connects = 0
         self.dropped = 0
         self.errors: list[str] = []  # per-request errors the sink sent (latest few)
+        # When the stream last broke with nothing received since (monotonic s);
+        # None while messages arrive. A sink down for long means its target is gone.
+        self.down_since: float | None = None
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{address}")
 
     # ---- sending (never blocks) ---------------------------------------------------
@@ -93,6 +103,7 @@ class SinkLink:
                 self.connects += 1
                 async for msg in call:
                     backoff = 0.05
+                    self.down_since = None
                     kind = msg.WhichOneof("kind")
                     if kind == "verified":
                         v = msg.verified
@@ -104,10 +115,14 @@ class SinkLink:
             except asyncio.CancelledError:
                 break
             except grpc.aio.AioRpcError as e:
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
                 if not self._closed:
                     log.warning("draft stream to %s broke (%s: %s); reconnecting",
                                 self.address, e.code().name, e.details())
             except Exception:
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
                 log.exception("draft stream to %s failed; reconnecting", self.address)
             finally:
                 self._queue = None

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -112,7 +113,8 @@ class _Request:
 
 
 class DraftRunner:
-    def __init__(self, model: DraftModel, link_factory=None):
+    def __init__(self, model: DraftModel, link_factory=None, tls=None):
+        """tls: a specserve.tls.TlsFiles for mutual TLS to the sinks (None: plaintext)."""
         self.model = model
         self.stats = DraftStats()
         self._requests: dict[str, _Request] = {}
@@ -121,7 +123,7 @@ class DraftRunner:
         # at each verified update: how timely this draft is, for autoscaling.
         self._timeliness: collections.deque = collections.deque(maxlen=512)
         self._link_factory = link_factory or (
-            lambda address: SinkLink(address, self._on_verified, self._snapshot)
+            lambda address: SinkLink(address, self._on_verified, self._snapshot, tls=tls)
         )
 
     # ---- control ----------------------------------------------------------------
@@ -157,6 +159,13 @@ class DraftRunner:
 
     def active(self) -> int:
         return len(self._requests)
+
+    def sink_down_for(self, sink_address: str) -> float:
+        """Seconds the stream to this sink has been broken (0 while it works)."""
+        link = self._links.get(sink_address)
+        if link is None or link.down_since is None:
+            return 0.0
+        return time.monotonic() - link.down_since
 
     def timeliness(self) -> tuple[float, float]:
         """(share of recent verified updates that found drafts ahead, mean tokens

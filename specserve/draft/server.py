@@ -65,7 +65,13 @@ async def serve(args) -> None:
 
     engine = AsyncLLM.from_engine_args(draft_engine_args(args.model, settings))
     model = VllmDraftModel(engine, engine.model_config.max_model_len)
-    runner = DraftRunner(model)
+    tls = None
+    if args.tls_ca:
+        from specserve.tls import TlsFiles
+
+        tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        tls.read()  # a missing file fails at startup, with its path
+    runner = DraftRunner(model, tls=tls)
     server = grpc.aio.server()
     spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
@@ -92,6 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-gib", type=int, default=None)
+    # Mutual TLS to the sinks (all three files, or none: plaintext).
+    p.add_argument("--tls-ca", default=None)
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-server-name", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,

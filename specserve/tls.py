@@ -1,0 +1,89 @@
+"""Mutual TLS on the draft -> target gRPC stream (optional).
+
+Owns turning the config's `grpc_tls` section (CA, certificate and key files)
+into gRPC credentials for both ends: the target's draft sink (server, requires
+a client certificate signed by the CA) and a draft's SinkLink (client, checks
+the sink's certificate against the CA). Files are read where they are used, on
+the node of the sink or the draft, so a missing file fails there with its path.
+
+The sink is configured through environment variables (vLLM builds the proposer
+in its own worker processes); `to_env` / `from_env` carry the section there.
+Never touches the HTTP side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+ENV_CA = "SPECSERVE_SINK_TLS_CA"
+ENV_CERT = "SPECSERVE_SINK_TLS_CERT"
+ENV_KEY = "SPECSERVE_SINK_TLS_KEY"
+ENV_SERVER_NAME = "SPECSERVE_SINK_TLS_SERVER_NAME"
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    ca_file: str
+    cert_file: str
+    key_file: str
+    server_name: str | None = None  # name to check in the sink's certificate
+
+    @classmethod
+    def from_config(cls, section) -> TlsFiles | None:
+        """From `AppConfig.grpc_tls` (a GrpcTlsConfig, a dict or None)."""
+        if section is None:
+            return None
+        d = section if isinstance(section, dict) else section.model_dump()
+        return cls(d["ca_file"], d["cert_file"], d["key_file"], d.get("server_name"))
+
+    def to_env(self) -> dict[str, str]:
+        env = {ENV_CA: self.ca_file, ENV_CERT: self.cert_file, ENV_KEY: self.key_file}
+        if self.server_name:
+            env[ENV_SERVER_NAME] = self.server_name
+        return env
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> TlsFiles | None:
+        if not environ.get(ENV_CA):
+            return None
+        return cls(environ[ENV_CA], environ.get(ENV_CERT, ""), environ.get(ENV_KEY, ""),
+                   environ.get(ENV_SERVER_NAME) or None)
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        """(CA, certificate, key) bytes; a missing file names itself and the fix."""
+        out = []
+        for field in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, field)
+            if not path or not Path(path).is_file():
+                raise FileNotFoundError(
+                    f"grpc_tls.{field}: {path!r} is not a file on this node; every draft and "
+                    "target node needs the CA, its certificate and its key at these paths")
+            out.append(Path(path).read_bytes())
+        return out[0], out[1], out[2]
+
+
+def server_credentials(files: TlsFiles):
+    """The sink's credentials: its certificate, and client certificates required."""
+    import grpc
+
+    ca, cert, key = files.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=True)
+
+
+def channel_credentials(files: TlsFiles):
+    """A draft's credentials: check the sink against the CA, present our certificate."""
+    import grpc
+
+    ca, cert, key = files.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=cert)
+
+
+def channel_options(files: TlsFiles | None) -> list[tuple[str, str]]:
+    """Sinks are dialled by IP; server_name says which name their certificate carries."""
+    if files is not None and files.server_name:
+        return [("grpc.ssl_target_name_override", files.server_name)]
+    return []
