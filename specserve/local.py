@@ -265,8 +265,9 @@ class LocalSpec:
 
     async def generate(self, prompt_ids: list[int], sampling_params, on_output=None) -> list[int]:
         """Generate for one tokenized prompt; returns the output token ids.
-        on_output(n) is called with the number of output tokens so far at each
-        engine step that produced some (for latency measurements)."""
+        on_output(o) is called with vLLM's CompletionOutput (token ids so far,
+        spec-decode figures at the end) at each engine step that produced some,
+        for latency measurements."""
         rid = uuid.uuid4().hex
         k = self.adaptive.choose(self.totals.running) if self.adaptive is not None else 0
         drafting = False
@@ -281,7 +282,7 @@ class LocalSpec:
             ):
                 final = out
                 if on_output is not None:
-                    on_output(len(out.outputs[0].token_ids))
+                    on_output(out.outputs[0])
         finally:
             if drafting:
                 await self._cancel_draft(rid)
