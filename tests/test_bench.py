@@ -140,3 +140,72 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
     for s in bench.SYSTEMS:
         assert f"| {s} |" in proc.stdout
     assert "[bench" in proc.stderr  # progress went to stderr
+
+
+class FakeBackend:
+    """A backend without engines: output = prompt ids reversed, a few ms per token."""
+
+    def __init__(self, system, alpha=None, wrong=False):
+        self.system, self.alpha, self.k, self.wrong = system, alpha, 4, wrong
+        self.c = Counters(draft_per_position=[0, 0, 0, 0], accepted_per_position=[0, 0, 0, 0])
+
+    def counters(self):
+        return Counters(**{**self.c.__dict__, "accepted_per_position":
+                           list(self.c.accepted_per_position),
+                           "draft_per_position": list(self.c.draft_per_position)})
+
+    def extra(self):
+        return {}
+
+    async def generate(self, p, params):
+        import asyncio
+        import time
+
+        start = time.monotonic()
+        await asyncio.sleep(0.001)
+        first = time.monotonic()
+        ids = (list(reversed(p.ids)) * params["max_tokens"])[: params["max_tokens"]]
+        if self.wrong:
+            ids[-1] += 1
+        await asyncio.sleep(0.001 * len(ids))
+        if self.system != "target_only":
+            self.c.num_drafts += 2
+            self.c.draft_tokens += 8
+            self.c.accepted_tokens += 3
+            self.c.accepted_per_position = [a + d for a, d in
+                                            zip(self.c.accepted_per_position, [2, 1, 0, 0])]
+            self.c.draft_per_position = [d + 2 for d in self.c.draft_per_position]
+        return RequestResult(p, ids, None, len(ids), start, first, time.monotonic())
+
+
+def test_run_system_rows_and_the_greedy_check(tmp_path):
+    import asyncio
+
+    prompts = [Prompt(str(i), "ab"[i % 2], "t", [i + 1, i + 2]) for i in range(4)]
+    a = bench.BenchArgs(target="t", draft="d", prompts_file=tmp_path, num_prompts=4,
+                        max_tokens=6, temperature=0.0, concurrency=[1, 2], alphas=[],
+                        k=4, systems=[])
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    rows, cats, bad, first = asyncio.run(
+        bench.run_system(FakeBackend("target_only"), prompts, a, params, None))
+    assert [r["concurrency"] for r in rows] == [1, 2] and not bad
+    reference = {r.prompt.question_id: (r.token_ids, "") for r in first}
+    rows, cats, bad, _ = asyncio.run(
+        bench.run_system(FakeBackend("specserve"), prompts, a, params, reference))
+    assert [r["greedy_mismatches"] for r in rows] == [0, 0]
+    # The warm-up request is not counted: 4 requests x 2 steps with drafts each.
+    assert rows[0]["draft_tokens"] == 32 and rows[0]["accepted_per_position"] == [8, 4, 0, 0]
+    assert {c["category"] for c in cats} == {"a", "b"}
+    rows, _, bad, _ = asyncio.run(
+        bench.run_system(FakeBackend("specserve", wrong=True), prompts, a, params, reference))
+    assert [r["greedy_mismatches"] for r in rows] == [4, 4] and len(bad) == 8
+
+
+def test_json_and_png_written(tmp_path):
+    rows = [bench.summarize(s, c, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(),
+                            s != "target_only")
+            for s, a in [("target_only", None), ("specserve_synthetic", 0.8)] for c in (1, 8)]
+    report = {"results": rows, "by_category": [], "notes": [], "greedy_mismatches": []}
+    png = bench.write_outputs(report, str(tmp_path / "b.json"), None)
+    assert png == tmp_path / "b.png" and png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "b.json").read_text())["results"][0]["system"] == "target_only"
