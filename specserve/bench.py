@@ -623,7 +623,12 @@ def _same(r: RequestResult, ref: tuple[list[int], str]) -> bool:
 async def run_bench(a: BenchArgs, workdir: Path) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
+    from concurrent.futures import ThreadPoolExecutor
+
     t_start = time.monotonic()
+    # HTTP clients are threads: enough of them for the highest concurrency.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max(a.concurrency) + 4, thread_name_prefix="bench-http"))
     tokenizer = AutoTokenizer.from_pretrained(a.target)
     cfg = AutoConfig.from_pretrained(a.target)
     max_len = a.max_model_len or getattr(cfg, "max_position_embeddings", None) or 2048
