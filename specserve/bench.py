@@ -106,7 +106,7 @@ def select_prompts(prompts: list[Prompt], n: int) -> list[Prompt]:
 class RequestResult:
     prompt: Prompt
     token_ids: list[int] | None  # None where only text comes back (HTTP)
-    text: str | None
+    text: str | None  # vLLM's detokenized output
     output_tokens: int
     start: float
     first: float | None
@@ -223,8 +223,8 @@ class LocalBackend:
             seen["o"] = o
 
         ids = await self.spec.generate(p.ids, _sampling(params), on_output=on_output)
-        return RequestResult(p, ids, None, len(ids), start, seen["first"], time.monotonic(),
-                             _spec_of(seen["o"]))
+        return RequestResult(p, ids, seen["o"].text, len(ids), start, seen["first"],
+                             time.monotonic(), _spec_of(seen["o"]))
 
 
 class VllmDraftModelBackend:
@@ -285,7 +285,8 @@ class VllmDraftModelBackend:
             if first is None and len(o.token_ids) > 0:
                 first = time.monotonic()
         ids = list(o.token_ids)
-        return RequestResult(p, ids, None, len(ids), start, first, time.monotonic(), _spec_of(o))
+        return RequestResult(p, ids, o.text, len(ids), start, first, time.monotonic(),
+                             _spec_of(o))
 
 
 class HttpBackend:
@@ -604,11 +605,15 @@ async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: di
                         speculative)
         row.update(backend.extra())
         if reference is not None:
-            bad = [r.prompt.question_id for r in results
-                   if reference.get(r.prompt.question_id) is not None
+            bad = [r for r in results if reference.get(r.prompt.question_id) is not None
                    and not _same(r, reference[r.prompt.question_id])]
             row["greedy_mismatches"] = len(bad)
-            mismatches += [(backend.system, backend.alpha, c, q) for q in bad]
+            mismatches += [{"system": backend.system, "alpha": backend.alpha, "concurrency": c,
+                            "question_id": r.prompt.question_id,
+                            "got": (r.token_ids if r.token_ids is not None else r.text),
+                            "want": reference[r.prompt.question_id][
+                                0 if r.token_ids is not None else 1]}
+                           for r in bad]
         rows.append(row)
         cats += category_rows(backend.system, c, backend.alpha, results)
         progress(f"{label} C={c}: {row['output_tokens_per_s']:.1f} tok/s")
@@ -673,9 +678,9 @@ async def run_bench(a: BenchArgs, workdir: Path) -> dict:
                 ref = reference if (greedy and system != "target_only") else None
                 rows, cats, bad, first = await run_system(backend, prompts, a, params, ref)
                 if system == "target_only" and reference is None:
-                    reference = {r.prompt.question_id: (
-                        r.token_ids, tokenizer.decode(r.token_ids, skip_special_tokens=True))
-                        for r in first}
+                    # Text as vLLM detokenizes it (the HTTP path's text comes from
+                    # the same detokenizer, so a difference is a different token).
+                    reference = {r.prompt.question_id: (r.token_ids, r.text) for r in first}
                     res = ([(r.prompt, r.token_ids) for r in first]
                            if greedy and a.ignore_eos else await _record(backend, prompts, params))
                     replay_records[:] = [(p.ids, ids) for p, ids in res]
@@ -693,8 +698,7 @@ async def run_bench(a: BenchArgs, workdir: Path) -> dict:
     return {
         "results": rows,
         "by_category": cats,
-        "greedy_mismatches": [{"system": s, "alpha": al, "concurrency": c, "question_id": q}
-                              for s, al, c, q in mismatches],
+        "greedy_mismatches": mismatches,
         "notes": notes,
         "config": {**{k: (str(v) if isinstance(v, Path) else v)
                       for k, v in dataclasses.asdict(a).items()},
@@ -723,7 +727,9 @@ def markdown(report: dict) -> str:
     for n in report["notes"]:
         parts.append(f"\nNote: {n}")
     if report["greedy_mismatches"]:
-        parts.append(f"\nGREEDY MISMATCHES against target_only: {report['greedy_mismatches']}")
+        bad = [(m["system"], m["alpha"], m["concurrency"], m["question_id"])
+               for m in report["greedy_mismatches"]]
+        parts.append(f"\nGREEDY MISMATCHES against target_only (system, alpha, C, question): {bad}")
     return "\n".join(parts)
 
 

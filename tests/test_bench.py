@@ -199,6 +199,7 @@ def test_run_system_rows_and_the_greedy_check(tmp_path):
     rows, _, bad, _ = asyncio.run(
         bench.run_system(FakeBackend("specserve", wrong=True), prompts, a, params, reference))
     assert [r["greedy_mismatches"] for r in rows] == [4, 4] and len(bad) == 8
+    assert bad[0]["got"][-1] == bad[0]["want"][-1] + 1
 
 
 def test_json_and_png_written(tmp_path):
