@@ -59,8 +59,21 @@ def start_engine(args, **kwargs):
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     engine = AsyncLLM.from_engine_args(args, **kwargs)
-    procs = [p for p in me.children(recursive=True) if p.pid not in before]
+    procs = [p for p in me.children(recursive=True)
+             if p.pid not in before and not _is_resource_tracker(p)]
     return engine, procs
+
+
+def _is_resource_tracker(p) -> bool:
+    """multiprocessing's resource tracker, started with the engine's first
+    spawned process, lives as long as we do: not an engine process to wait for
+    (waiting for it cost every shutdown its full timeout)."""
+    import psutil
+
+    try:
+        return "resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def shutdown_engine(engine, procs, timeout: float = 15.0) -> None:
