@@ -7,10 +7,10 @@ request.
 
 The model. A verify step over r decode rows, each with K drafted tokens, costs
 
-    step_seconds = a + b · tokens,   tokens = r · (1 + K)   (plus prefill tokens)
+    step_seconds = a + b · tokens,   tokens = r · (1 + K)
 
 with a (fixed cost per step) and b (cost per processed token) fitted by least
-squares on the engine's recent steps (`StepCostFit`). On a GPU b is tiny at low
+squares on the engine's recent decode steps (`StepCostFit`). On a GPU b is tiny at low
 batch (verifying more tokens is nearly free); on these CPUs it is not. A row
 with drafts waiting (share `coverage` of its steps) emits E(α, K) = (1 −
 α^(K+1)) / (1 − α) tokens, with α the measured conditional acceptance, so the

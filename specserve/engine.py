@@ -108,8 +108,9 @@ class SpecTotals:
     draft_per_position: list[int] = dataclasses.field(default_factory=list)
     running: int = 0  # the engine's batch and queue at its last step
     waiting: int = 0
-    # Called with (tokens the step processed, seconds since the previous step)
-    # for each step that followed a busy one: what adaptive K fits its costs on.
+    # Called with (tokens a decode step verified, seconds since the previous
+    # step) for each decode step that followed a busy one: what adaptive K fits
+    # its step costs on.
     step_observer: Callable[[int, float], None] | None = None
     _last_step: float | None = None
 
@@ -133,12 +134,14 @@ def spec_counter_factory():
             sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
             if totals.step_observer is not None and iteration_stats is not None:
                 now = time.monotonic()
-                if totals._last_step is not None and totals.running > 0:
+                # Decode steps only: a prefill step's interval also holds the
+                # client's time between one request and the next.
+                if (totals._last_step is not None and totals.running > 0
+                        and iteration_stats.num_prompt_tokens == 0):
                     accepted = sd.num_accepted_tokens if sd is not None else 0
                     drafted = sd.num_draft_tokens if sd is not None else 0
                     rows = max(iteration_stats.num_generation_tokens - accepted, 0)
-                    tokens = iteration_stats.num_prompt_tokens + rows + drafted
-                    totals.step_observer(tokens, now - totals._last_step)
+                    totals.step_observer(rows + drafted, now - totals._last_step)
                 totals._last_step = now
             if scheduler_stats is not None:
                 totals.running = scheduler_stats.num_running_reqs
