@@ -210,8 +210,11 @@ class LocalBackend:
         a = self.spec.adaptive
         if a is None:
             return {}
+        fit = a.costs.fit()
         return {"adaptive_k": {str(k): n for k, n in sorted(a.decisions.items())},
-                "adaptive_reason": a.last_reason}
+                "adaptive_reason": a.last_reason,
+                "fitted_step_ms": fit and fit[0] * 1e3,
+                "fitted_ms_per_verified_token": fit and fit[1] * 1e3}
 
     async def generate(self, p: Prompt, params: dict) -> RequestResult:
         start = time.monotonic()
