@@ -47,6 +47,9 @@ LAYERS_FILE = "draft-layers.safetensors"
 CHECKPOINT_FILE = "checkpoint.pt"
 DATA_DIR = "data"
 EVAL_FILE = "eval.pt"
+DATA_STATE_FILE = "data.json"
+DATA_FIELDS = ("data_rounds", "train_sequences", "train_tokens", "eval_sequences",
+               "eval_tokens", "data_seconds")
 # Taken from the target when the draft is assembled, never stored with it
 # (lm_head only exists separately in targets that do not tie it to the embedding).
 SHARED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -234,13 +237,32 @@ class DistillState:
     commands: list[str] = field(default_factory=list)
 
     def save(self, out: Path) -> None:
-        tmp = out / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, out / STATE_FILE)
+        """Write distill.json, with the data figures as the data generator last wrote them."""
+        self.refresh_data(out)
+        _write_json(out / STATE_FILE, asdict(self))
+
+    def save_data(self, out: Path) -> None:
+        """Write the data figures alone (data/data.json): a data run and a training
+        run may share OUT, and neither must overwrite the other's figures."""
+        _write_json(out / DATA_DIR / DATA_STATE_FILE, {k: getattr(self, k) for k in DATA_FIELDS})
+
+    def refresh_data(self, out: Path) -> None:
+        path = out / DATA_DIR / DATA_STATE_FILE
+        if path.is_file():
+            for key, value in json.loads(path.read_text()).items():
+                setattr(self, key, value)
 
     @classmethod
     def load(cls, out: Path) -> DistillState:
-        return cls(**json.loads((out / STATE_FILE).read_text()))
+        state = cls(**json.loads((out / STATE_FILE).read_text()))
+        state.refresh_data(out)
+        return state
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def check_target(target: str | Path) -> Path:
@@ -352,6 +374,7 @@ def generate_data(out: Path, state: DistillState, train_tokens: int, minutes: fl
         torch.save(sequences, data / EVAL_FILE)
         state.eval_sequences = len(sequences)
         state.eval_tokens = sum(len(s["ids"]) - s["start"] for s in sequences)
+        state.save_data(out)
         _log(f"held-out data: {state.eval_sequences} greedy answers, {state.eval_tokens} tokens")
 
     budget = None if minutes is None else minutes * 60
@@ -393,10 +416,10 @@ def generate_data(out: Path, state: DistillState, train_tokens: int, minutes: fl
         state.train_sequences += len(sequences)
         state.train_tokens += sum(len(s["topk_ids"]) for s in sequences)
         state.data_seconds += time.monotonic() - round_started
-        state.save(out)
+        state.save_data(out)
         _log(f"data round {r}: {len(sequences)} answers; {state.train_tokens} of {train_tokens} "
              f"training tokens ({time.monotonic() - round_started:.0f} s)")
-    state.save(out)
+    state.save_data(out)
     # Free the engine's processes and memory before training.
     llm.llm_engine.engine_core.shutdown()
     del llm
