@@ -362,6 +362,7 @@ def _run_distill(args) -> int:
     print(json.dumps({"out": str(Path(args.out).resolve()), "layers": state.layers,
                       "train_tokens": state.train_tokens, "eval_tokens": state.eval_tokens,
                       "alpha_before": state.alpha_before, "alpha_after": state.alpha_after,
+                      "target_alpha": state.target_alpha,
                       "train_seconds": round(state.train_seconds, 1)}))
     return 0
 

@@ -504,7 +504,17 @@ def trained_tensors(model, trainable: list[str]) -> dict:
     return {n: params[n].detach() for n in trainable}
 
 
-def export_draft(model, trainable: list[str], target: str | Path, out: Path) -> None:
+def draft_config(target: str | Path, n_layers: int, layers: list[int]) -> dict:
+    """The target's config.json with the draft's layer count (and per-layer lists cut)."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    config["num_hidden_layers"] = n_layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = [config["layer_types"][i] for i in layers]
+    return config
+
+
+def export_draft(model, trainable: list[str], target: str | Path, out: Path,
+                 layers: list[int]) -> None:
     """Write OUT as a Hugging Face folder (bf16) and the trained tensors alone."""
     import torch
     from safetensors.torch import save_file
@@ -514,8 +524,8 @@ def export_draft(model, trainable: list[str], target: str | Path, out: Path) -> 
     tmp.mkdir()
     save_file({n: t.to(torch.bfloat16).contiguous() for n, t in trained_tensors(model, trainable).items()},
               str(tmp / LAYERS_FILE), metadata={"layers": json.dumps(model.config.num_hidden_layers)})
-    config = model.config.to_dict()
-    assemble_draft(target, tmp / LAYERS_FILE, tmp, config=config)
+    assemble_draft(target, tmp / LAYERS_FILE, tmp,
+                   config=draft_config(target, model.config.num_hidden_layers, layers))
     for f in tmp.iterdir():
         os.replace(f, out / f.name)
     tmp.rmdir()
@@ -577,6 +587,16 @@ def train(out: Path, state: DistillState, minutes: float, lr: float = 3e-4,
         raise DistillError(f"no training data in {out / DATA_DIR}; run without --data-minutes 0 "
                            "so the target generates some")
     eval_data = torch.load(out / DATA_DIR / EVAL_FILE)
+    if state.target_alpha is None:
+        # The ceiling: the target itself in torch float32 against its own greedy
+        # text from vLLM (below 1 only where the two runtimes' numerics differ).
+        from transformers import AutoModelForCausalLM
+
+        full = AutoModelForCausalLM.from_pretrained(state.target, dtype=torch.float32)
+        state.target_alpha = evaluate_alpha(full, eval_data)
+        del full
+        _log(f"held-out greedy agreement of the target itself: {state.target_alpha:.3f}")
+        state.save(out)
     model, trainable = build_draft(state.target, state.layers)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -608,7 +628,7 @@ def train(out: Path, state: DistillState, minutes: float, lr: float = 3e-4,
         torch.save({"tensors": trained_tensors(model, trainable),
                     "optimizer": optimizer.state_dict(), "epoch": epoch, "position": position}, tmp)
         os.replace(tmp, ckpt)
-        export_draft(model, trainable, state.target, out)
+        export_draft(model, trainable, state.target, out, state.layers)
         state.save(out)
         last_ckpt = time.monotonic()
 
