@@ -239,6 +239,10 @@ class DistillState:
     def save(self, out: Path) -> None:
         """Write distill.json, with the data figures as the data generator last wrote them."""
         self.refresh_data(out)
+        if (out / STATE_FILE).is_file():
+            # Keep commands another run (e.g. a data run) recorded meanwhile.
+            on_disk = json.loads((out / STATE_FILE).read_text()).get("commands", [])
+            self.commands = [c for c in on_disk if c not in self.commands] + self.commands
         _write_json(out / STATE_FILE, asdict(self))
 
     def save_data(self, out: Path) -> None:
@@ -563,6 +567,14 @@ def assemble_draft(target: str | Path, layers_file: Path, dest: Path, config: di
             shutil.copyfile(f, dest / f.name)
 
 
+def ship(out: Path, dest: Path) -> None:
+    """Copy what a shipped draft needs from OUT into `dest`: the trained tensors,
+    the draft config and the run's record (distill.json). No embedding."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (LAYERS_FILE, "config.json", STATE_FILE):
+        shutil.copyfile(out / name, dest / name)
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -638,6 +650,8 @@ def train(out: Path, state: DistillState, minutes: float, lr: float = 3e-4,
         random.Random(f"{state.seed}-epoch-{epoch}").shuffle(order)
         if position >= len(order):
             epoch, position = epoch + 1, 0
+            # A data run may have added shards meanwhile (OUT is shared).
+            train_data = load_train(out)
             continue
         step_tokens = 0
         for g in optimizer.param_groups:
