@@ -40,7 +40,10 @@ class DraftServer:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus  # ignored on GPUs
         settings = settings_from(self.config.engine)
         apply_cpu_env(settings)
-        self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
+        from specserve.models import resolve_draft
+
+        model = resolve_draft(self.config.model)  # 'default': the shipped draft
+        self.engine = AsyncLLM.from_engine_args(draft_engine_args(model, settings))
         self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len))
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
