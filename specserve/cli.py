@@ -337,6 +337,12 @@ def _serve_config(args):
         if drafts is not None and [d.lower() for d in drafts] == ["none"]:
             drafts = []
         target = _model_dir(args.target, "target") if args.target else None
+        from specserve.draft.synthetic import is_synthetic
+
+        if any(is_synthetic(d) for d in drafts or []):
+            raise UsageError("synthetic drafts work in 'specserve generate' and 'specserve "
+                             "bench' only: a Serve draft replica cannot know a request's "
+                             "continuation in advance; pass a draft model folder")
         # 'default' stays a keyword in the config; each replica resolves it.
         drafts = None if drafts is None else [
             d if d == DEFAULT_DRAFT_KEYWORD else _model_dir(d, "draft") for d in drafts]

@@ -163,3 +163,14 @@ def test_acceptance_is_alpha_and_output_is_target_only(tiny_models):
     assert abs(alpha_hat - ALPHA) <= 0.03, (alpha_hat, totals)
     # ... while vLLM's plain accepted/drafted is well below alpha.
     assert totals.acceptance_rate < ALPHA - 0.1, totals
+
+
+@pytest.mark.slow  # two CLI subprocesses, no engine
+def test_cli_refuses_bad_or_unsupported_synthetic_drafts(tiny_models):
+    from conftest import run_cli
+
+    proc = run_cli("generate", "--target", str(tiny_models["target"]),
+                   "--draft", "synthetic:1.5", "--prompt", "x")
+    assert proc.returncode == 2 and "outside [0, 1]" in proc.stderr
+    proc = run_cli("serve", "--target", str(tiny_models["target"]), "--draft", "synthetic:0.8")
+    assert proc.returncode == 2 and "generate' and 'specserve bench' only" in proc.stderr
