@@ -738,7 +738,7 @@ def markdown(report: dict) -> str:
 
 # ---- the command --------------------------------------------------------------------
 
-QUICK = {"num_prompts": 8, "max_tokens": 64, "concurrency": [1, 8], "alphas": [0.8], "rounds": 1}
+QUICK = {"num_prompts": 8, "max_tokens": 32, "concurrency": [1, 8], "alphas": [0.8], "rounds": 1}
 FULL = {"num_prompts": 16, "max_tokens": 128, "concurrency": [1, 8], "alphas": [0.6, 0.8, 0.9],
         "rounds": 1}
 
