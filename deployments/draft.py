@@ -45,9 +45,11 @@ class DraftServer:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus  # ignored on GPUs
         settings = settings_from(self.config.engine)
         apply_cpu_env(settings)
-        self.engine = AsyncLLM.from_engine_args(draft_engine_args(self.config.model, settings))
+        from specserve.models import resolve_draft
         from specserve.tls import TlsFiles
 
+        model = resolve_draft(self.config.model)  # 'default': the shipped draft
+        self.engine = AsyncLLM.from_engine_args(draft_engine_args(model, settings))
         tls = TlsFiles.from_config(grpc_tls)
         if tls is not None:
             tls.read()  # a missing file fails the replica here, with its path

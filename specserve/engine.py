@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from specserve import proposer
 
@@ -106,6 +108,11 @@ class SpecTotals:
     draft_per_position: list[int] = dataclasses.field(default_factory=list)
     running: int = 0  # the engine's batch and queue at its last step
     waiting: int = 0
+    # Called with (tokens a decode step verified, seconds since the previous
+    # step) for each decode step that followed a busy one: what adaptive K fits
+    # its step costs on.
+    step_observer: Callable[[int, float], None] | None = None
+    _last_step: float | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -124,10 +131,21 @@ def spec_counter_factory():
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
+            if totals.step_observer is not None and iteration_stats is not None:
+                now = time.monotonic()
+                # Decode steps only: a prefill step's interval also holds the
+                # client's time between one request and the next.
+                if (totals._last_step is not None and totals.running > 0
+                        and iteration_stats.num_prompt_tokens == 0):
+                    accepted = sd.num_accepted_tokens if sd is not None else 0
+                    drafted = sd.num_draft_tokens if sd is not None else 0
+                    rows = max(iteration_stats.num_generation_tokens - accepted, 0)
+                    totals.step_observer(rows + drafted, now - totals._last_step)
+                totals._last_step = now
             if scheduler_stats is not None:
                 totals.running = scheduler_stats.num_running_reqs
                 totals.waiting = scheduler_stats.num_waiting_reqs
-            sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
             if sd is None:
                 return
             with lock:

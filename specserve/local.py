@@ -8,6 +8,11 @@ draft it is the target alone with the same engine settings.
 
 The draft is only ever a hint: if the draft process is missing, slow or dead,
 requests run on the target alone and give the same greedy output.
+
+A synthetic draft (`synthetic:A[@Dms]`, specserve/draft/synthetic.py) replays
+the target's greedy output: given `replay` records, its process starts with
+them; otherwise `record_replay` (which `run_prompts` calls) first runs the
+prompts greedily on the target engine alone and then starts it.
 """
 
 from __future__ import annotations
@@ -57,8 +62,21 @@ def start_engine(args, **kwargs):
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     engine = AsyncLLM.from_engine_args(args, **kwargs)
-    procs = [p for p in me.children(recursive=True) if p.pid not in before]
+    procs = [p for p in me.children(recursive=True)
+             if p.pid not in before and not _is_resource_tracker(p)]
     return engine, procs
+
+
+def _is_resource_tracker(p) -> bool:
+    """multiprocessing's resource tracker, started with the engine's first
+    spawned process, lives as long as we do: not an engine process to wait for
+    (waiting for it cost every shutdown its full timeout)."""
+    import psutil
+
+    try:
+        return "resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def shutdown_engine(engine, procs, timeout: float = 15.0) -> None:
@@ -99,17 +117,25 @@ class LocalSpec:
         sink_only: bool = False,
         tls=None,
         draft_tls=None,
+        replay: list[tuple[list[int], list[int]]] | None = None,
+        adaptive_k: bool = False,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
         drafts from elsewhere; tests use it to play a draft themselves.
         tls: a specserve.tls.TlsFiles: mutual TLS between draft and sink.
-        draft_tls: the draft's own files if they differ (tests: a wrong certificate)."""
+        draft_tls: the draft's own files if they differ (tests: a wrong certificate).
+        adaptive_k: choose each request's K in 0..k from measured step costs and
+        acceptance (specserve/adaptive.py); K = 0 runs it on the target alone."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         if draft is not None and lookahead <= k:
             raise ValueError(f"lookahead ({lookahead}) must be greater than K ({k})")
+        from specserve.draft.synthetic import is_synthetic, parse
+
         self.target = target
         self.draft = draft
+        self.synthetic = parse(draft) if is_synthetic(draft) else None
+        self.replay = replay
         self.k = k if (draft is not None or sink_only) else 0
         self.sink_only = sink_only
         self.lookahead = lookahead
@@ -127,6 +153,11 @@ class LocalSpec:
         self.draft_failures = 0
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
+        self.adaptive = None
+        if adaptive_k and self.k > 0:
+            from specserve.adaptive import AdaptiveK
+
+            self.adaptive = AdaptiveK(self.k)
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -146,29 +177,56 @@ class LocalSpec:
             return None, None  # the user's choice
         return cpu_binding(self.tp)
 
+    def _start_draft_process(self, extra: list[str] = ()) -> None:
+        _, draft_cpus = self._cpu_binding()
+        draft_env = dict(os.environ)
+        if draft_cpus is not None:
+            draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
+        control_port = free_port()
+        self.draft_process = subprocess.Popen(
+            [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
+             "--port", str(control_port), "--seed", str(self.settings.seed),
+             "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
+            + (["--max-model-len", str(self.settings.max_model_len)]
+               if self.settings.max_model_len else [])
+            + (["--tls-ca", self.draft_tls.ca_file, "--tls-cert", self.draft_tls.cert_file,
+                "--tls-key", self.draft_tls.key_file]
+               + (["--tls-server-name", self.draft_tls.server_name]
+                  if self.draft_tls.server_name else [])
+               if self.draft_tls is not None else [])
+            + list(extra),
+            stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
+        )
+        self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
+        self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
+
+    async def _start_synthetic(self, replay) -> None:
+        from specserve.draft.synthetic import write_replay
+
+        path = Path(self._tmp.name) / "replay.jsonl"
+        write_replay(path, replay)
+        self._start_draft_process(["--replay", str(path), "--vocab-size",
+                                   str(self.engine.model_config.get_vocab_size())])
+        await self._wait_for_draft()
+
+    async def record_replay(self, prompts_ids: list[list[int]], max_tokens: int) -> None:
+        """Synthetic draft only: record the target's greedy output for these
+        prompts (on the target engine, no drafts yet) and start the draft."""
+        if self.synthetic is None or self.draft_process is not None:
+            return
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        unique = [list(p) for p in dict.fromkeys(tuple(p) for p in prompts_ids)]
+        outs = await asyncio.gather(*(self.generate(p, params) for p in unique))
+        self.replay = list(zip(unique, outs))
+        await self._start_synthetic(self.replay)
+
     async def _start(self) -> None:
         apply_cpu_env(self.settings)
-        target_cpus, draft_cpus = self._cpu_binding()
-        if self.draft is not None:
-            draft_env = dict(os.environ)
-            if draft_cpus is not None:
-                draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
-            control_port = free_port()
-            self.draft_process = subprocess.Popen(
-                [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
-                 "--port", str(control_port), "--seed", str(self.settings.seed),
-                 "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
-                + (["--max-model-len", str(self.settings.max_model_len)]
-                   if self.settings.max_model_len else [])
-                + (["--tls-ca", self.draft_tls.ca_file, "--tls-cert", self.draft_tls.cert_file,
-                    "--tls-key", self.draft_tls.key_file]
-                   + (["--tls-server-name", self.draft_tls.server_name]
-                      if self.draft_tls.server_name else [])
-                   if self.draft_tls is not None else []),
-                stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
-            )
-            self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
-            self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
+        target_cpus, _ = self._cpu_binding()
+        if self.draft is not None and self.synthetic is None:
+            self._start_draft_process()  # it loads while the target engine starts
         port_file = Path(self._tmp.name) / "sink.port"
         for var in TLS_ENV:
             os.environ.pop(var, None)
@@ -183,6 +241,8 @@ class LocalSpec:
             os.environ.pop(ENV_PORT_FILE, None)
 
         factory, self.totals = spec_counter_factory()
+        if self.adaptive is not None:
+            self.totals.step_observer = self.adaptive.observe_step
         args = target_engine_args(self.target, self.settings, tp=self.tp, k=self.k)
         # Building the engine blocks for a while; the draft process loads meanwhile.
         # The engine's processes inherit the binding at spawn; restore ours after.
@@ -195,7 +255,10 @@ class LocalSpec:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if self.k > 0:
             self.sink_address = f"127.0.0.1:{int(port_file.read_text())}"
-        if self.draft is not None:
+        if self.synthetic is not None:
+            if self.replay is not None:
+                await self._start_synthetic(self.replay)
+        elif self.draft is not None:
             await self._wait_for_draft()
 
     async def _wait_for_draft(self) -> None:
@@ -232,10 +295,16 @@ class LocalSpec:
 
     # ---- requests ---------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], sampling_params) -> list[int]:
-        """Generate for one tokenized prompt; returns the output token ids."""
+    async def generate(self, prompt_ids: list[int], sampling_params, on_output=None) -> list[int]:
+        """Generate for one tokenized prompt; returns the output token ids.
+        on_output(o) is called with vLLM's CompletionOutput (token ids so far,
+        spec-decode figures at the end) at each engine step that produced some,
+        for latency measurements."""
         rid = uuid.uuid4().hex
-        drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens)
+        k = self.adaptive.choose(self.totals.running) if self.adaptive is not None else 0
+        drafting = False
+        if self.adaptive is None or k > 0:
+            drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens, k)
         from vllm.inputs import TokensPrompt
 
         final = None
@@ -244,12 +313,19 @@ class LocalSpec:
                 TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, rid
             ):
                 final = out
+                if on_output is not None:
+                    on_output(out.outputs[0])
         finally:
             if drafting:
                 await self._cancel_draft(rid)
-        return list(final.outputs[0].token_ids)
+        o = final.outputs[0]
+        m = getattr(o, "spec_decode_metrics", None)
+        if self.adaptive is not None and drafting and m is not None:
+            self.adaptive.observe_request(len(o.token_ids), list(m.histogram), m.num_draft_tokens)
+        return list(o.token_ids)
 
-    async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int) -> bool:
+    async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int,
+                           k: int = 0) -> bool:
         if self._draft_stub is None:
             return False
         try:
@@ -257,7 +333,7 @@ class LocalSpec:
                 spec_pb2.StartDraft(
                     request_id=rid, prompt_token_ids=prompt_ids,
                     sink_address=self.sink_address, lookahead=self.lookahead,
-                    max_tokens=max_tokens,
+                    max_tokens=max_tokens, max_draft_tokens=k,
                 ),
                 timeout=5.0,
             )
@@ -287,6 +363,7 @@ def sampling_params(max_tokens: int, temperature: float, ignore_eos: bool):
 async def run_prompts(spec: LocalSpec, tokenizer, prompts: list[str], params) -> list[Output]:
     """All prompts concurrently; outputs in prompt order."""
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    await spec.record_replay(ids, params.max_tokens)
     outs = await asyncio.gather(*(spec.generate(i, params) for i in ids))
     return [
         Output(prompt=p, text=tokenizer.decode(o, skip_special_tokens=True), token_ids=o)

@@ -6,6 +6,12 @@ This module owns:
 - converting it once into a Hugging Face folder (safetensors, LlamaConfig,
   tokenizer with its ChatML chat template, generation_config.json) that vLLM
   can load, cached under `$SPECSERVE_CACHE/models/SmolLM2-135M-Instruct`;
+- the default draft: a draft distilled from the default model
+  (`specserve distill`) ships inside the package as its trained layers only
+  (`specserve/drafts/`); `ensure_default_draft` assembles it into a normal
+  Hugging Face folder in the cache, with the embedding taken from the
+  converted default model; `resolve_draft` maps the config keyword
+  "default" to that folder;
 - `tokenizers_compatible`, the cheap check that a draft model can be used to
   speculate for a target model.
 
@@ -37,6 +43,12 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Written last into the folder; a folder without it is not trusted.
 COMPLETE_MARKER = ".complete"
+
+# The shipped distilled draft of the default model (package data), and the
+# keyword that names it wherever a draft model folder is expected.
+DEFAULT_DRAFT_KEYWORD = "default"
+DEFAULT_DRAFT_NAME = "smollm2-135m-distill-4l"
+DRAFT_LAYERS_FILE = "draft-layers.safetensors"
 
 # vLLM on CPU (x86 and aarch64) and on GPU runs "auto" dtype models in
 # bfloat16 anyway (it downcasts float32 configs), so storing bfloat16 halves
@@ -161,6 +173,78 @@ def ensure_default_model(progress: Callable[[str], None] = print_to_stderr) -> P
             raise
         progress(f"default model ready in {time.monotonic() - started:.0f} s: {target}")
     return target
+
+
+def shipped_draft_dir() -> Path:
+    """The package folder holding the default draft's trained layers and config."""
+    return Path(__file__).resolve().parent / "drafts" / DEFAULT_DRAFT_NAME
+
+
+def default_draft_dir() -> Path:
+    """The folder the assembled default draft lives in (it may not exist yet)."""
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_DRAFT_NAME}"
+
+
+def resolve_draft(model: str) -> str:
+    """A draft model folder: the keyword "default" becomes the assembled default draft."""
+    if model == DEFAULT_DRAFT_KEYWORD:
+        return str(ensure_default_draft())
+    return model
+
+
+def ensure_default_draft(progress: Callable[[str], None] = print_to_stderr) -> Path:
+    """Return the default draft as a Hugging Face folder, assembling it first if needed.
+
+    The package ships only the draft's trained tensors (no embedding) and its
+    config; the folder adds the embedding of the converted default model and
+    its tokenizer. The marker records a hash of the shipped tensors, so a
+    newer shipped draft replaces an older assembled one. Atomic and locked
+    like `ensure_default_model`.
+    """
+    from specserve.distill import file_sha256
+
+    shipped = shipped_draft_dir()
+    layers = shipped / DRAFT_LAYERS_FILE
+    if not layers.is_file() or not (shipped / "config.json").is_file():
+        raise DefaultModelError(f"the default draft is missing from the package ({shipped}); "
+                                "reinstall specserve from its repository (pip install -e .)")
+    digest = file_sha256(layers)
+    dest = default_draft_dir()
+
+    def done() -> bool:
+        marker = dest / COMPLETE_MARKER
+        return marker.is_file() and marker.read_text().strip() == digest
+
+    if done():
+        return dest
+    target = ensure_default_model(progress)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f"{dest.name}.lock", "w") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another process assembling the default draft ({dest})")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if done():
+            return dest
+        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        work_dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        os.chmod(work_dir, 0o755)
+        try:
+            from specserve.distill import assemble_draft
+
+            progress(f"assembling the default draft {shipped.name} -> {dest}")
+            config = json.loads((shipped / "config.json").read_text())
+            assemble_draft(target, layers, work_dir, config=config)
+            (work_dir / COMPLETE_MARKER).write_text(digest + "\n")
+            if dest.exists():  # an older draft, or a leftover without the marker
+                shutil.rmtree(dest)
+            os.rename(work_dir, dest)
+        except BaseException:
+            shutil.rmtree(work_dir, ignore_errors=True)
+            raise
+    return dest
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Callable[[str], None]) -> None:

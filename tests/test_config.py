@@ -44,7 +44,7 @@ def test_embedded_default_loads():
     assert cfg.target.resources.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     assert cfg.target.engine.kv_cache_gib == 2
     assert cfg.target.engine.max_model_len == 2048
-    assert cfg.drafts == []
+    assert [(d.name, d.model) for d in cfg.drafts] == [("smollm2-distill", "default")]
     assert cfg.speculation.num_speculative_tokens == 4
     assert cfg.lookahead_tokens() == 8
     assert (cfg.http.host, cfg.http.port) == ("127.0.0.1", 8000)
