@@ -3,7 +3,7 @@ not a test): `PYTHONPATH=. .venv/bin/python tests/measure_default_draft.py [N]`.
 
 Starts `specserve serve` twice with the embedded default config: as shipped
 (the distilled default draft) and with `--draft none`. Sends the same N
-held-out chat prompts (greedy, 128 tokens) one at a time, then all at once;
+held-out chat prompts (greedy, 96 tokens) one at a time, then all at once;
 prints output tokens/s of each, whether the texts are equal, and the
 router's acceptance figures and chosen K for the draft pool.
 """
@@ -28,7 +28,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def ask(url: str, prompt: str) -> tuple[str, int]:
     status, body = post(f"{url}/v1/chat/completions", {
-        "model": MODEL, "max_tokens": 128, "temperature": 0,
+        "model": MODEL, "max_tokens": 96, "temperature": 0,
         "messages": [{"role": "user", "content": prompt}]}, timeout=600)
     assert status == 200, body
     return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
