@@ -137,7 +137,7 @@ def test_out_must_be_new_or_a_previous_run(tiny_models, tmp_path):
 def tiny_distill(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("distill") / "draft"
     args = ["distill", "--target", str(tiny_models["target"]), "--layers", "1", "--out", str(out),
-            "--minutes", "0.15", "--train-tokens", "2000", "--answer-tokens", "48",
+            "--minutes", "0.1", "--train-tokens", "2000", "--answer-tokens", "48",
             "--eval-prompts", "8", "--threads", "1"]
     proc = run_cli(*args, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -170,12 +170,24 @@ def test_tiny_distill_reports_alpha_and_writes_a_loadable_draft(tiny_distill, ti
     assert stored and not stored & set(distill.SHARED_TENSORS)
     assert all(k.startswith("model.layers.0.") or k == "model.norm.weight" for k in stored)
 
+    # What ships (trained tensors + config) assembles back into the same model.
+    shipped, assembled = out.parent / "shipped", out.parent / "assembled"
+    distill.ship(out, shipped)
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(
+        [distill.LAYERS_FILE, "config.json", distill.STATE_FILE])
+    assembled.mkdir()
+    distill.assemble_draft(tiny_models["target"], shipped / distill.LAYERS_FILE, assembled,
+                           config=json.loads((shipped / "config.json").read_text()))
+    again = AutoModelForCausalLM.from_pretrained(assembled, dtype=torch.float32)
+    for (name, a), (_, b) in zip(draft.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
 
 @pytest.mark.slow
 def test_tiny_distill_resumes_from_its_checkpoint(tiny_distill):
     out, report, args, _ = tiny_distill
     before = json.loads((out / distill.STATE_FILE).read_text())
-    proc = run_cli(*[a if a != "0.15" else "0.05" for a in args])
+    proc = run_cli(*[a if a != "0.1" else "0.02" for a in args])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resuming from" in proc.stderr
     after = json.loads((out / distill.STATE_FILE).read_text())
