@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate with a remote draft and a vLLM target")
     g.add_argument("--target", help="target model folder (default: the default model)")
     g.add_argument("--draft", default="none",
-                   help="draft model folder, or 'none' for target-only (default: none)")
+                   help="draft model folder, 'none' for target-only (default), or "
+                   "synthetic:A[@Dms]: the target's own greedy output with each token "
+                   "corrupted with probability 1-A (and D ms per drafted token)")
     g.add_argument("--prompt", action="append", required=True,
                    help="raw prompt text (repeat for several prompts; all run concurrently)")
     g.add_argument("--max-tokens", type=_positive_int("max-tokens"), default=64)
@@ -124,16 +126,24 @@ def _check_generate(args) -> tuple[str, str | None, int]:
 
     target = (_model_dir(args.target, "target") if args.target
               else str(ensure_default_model()))
-    draft = None if args.draft.lower() == "none" else _model_dir(args.draft, "draft")
+    from specserve.draft import synthetic
+
+    if synthetic.is_synthetic(args.draft):
+        try:
+            draft = str(synthetic.parse(args.draft))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    else:
+        draft = None if args.draft.lower() == "none" else _model_dir(args.draft, "draft")
     k = args.num_speculative_tokens
     lookahead = args.lookahead if args.lookahead is not None else 2 * k
-    if draft is not None:
+    if draft is not None and not synthetic.is_synthetic(draft):
         problem = tokenizers_compatible(target, draft)
         if problem:
             raise UsageError(problem)
-        if lookahead <= k:
-            raise UsageError(f"--lookahead ({lookahead}) must be greater than "
-                             f"--num-speculative-tokens ({k})")
+    if draft is not None and lookahead <= k:
+        raise UsageError(f"--lookahead ({lookahead}) must be greater than "
+                         f"--num-speculative-tokens ({k})")
     if any(not p for p in args.prompt):
         raise UsageError("--prompt must not be empty")
     cores = os.cpu_count() or 1

@@ -8,6 +8,11 @@ draft it is the target alone with the same engine settings.
 
 The draft is only ever a hint: if the draft process is missing, slow or dead,
 requests run on the target alone and give the same greedy output.
+
+A synthetic draft (`synthetic:A[@Dms]`, specserve/draft/synthetic.py) replays
+the target's greedy output: given `replay` records, its process starts with
+them; otherwise `record_replay` (which `run_prompts` calls) first runs the
+prompts greedily on the target engine alone and then starts it.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class LocalSpec:
         settings: EngineSettings | None = None,
         draft_ready_timeout: float = 300.0,
         sink_only: bool = False,
+        replay: list[tuple[list[int], list[int]]] | None = None,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
         drafts from elsewhere; tests use it to play a draft themselves."""
@@ -101,8 +107,12 @@ class LocalSpec:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         if draft is not None and lookahead <= k:
             raise ValueError(f"lookahead ({lookahead}) must be greater than K ({k})")
+        from specserve.draft.synthetic import is_synthetic, parse
+
         self.target = target
         self.draft = draft
+        self.synthetic = parse(draft) if is_synthetic(draft) else None
+        self.replay = replay
         self.k = k if (draft is not None or sink_only) else 0
         self.sink_only = sink_only
         self.lookahead = lookahead
@@ -137,24 +147,51 @@ class LocalSpec:
             return None, None  # the user's choice
         return cpu_binding(self.tp)
 
+    def _start_draft_process(self, extra: list[str] = ()) -> None:
+        _, draft_cpus = self._cpu_binding()
+        draft_env = dict(os.environ)
+        if draft_cpus is not None:
+            draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
+        control_port = free_port()
+        self.draft_process = subprocess.Popen(
+            [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
+             "--port", str(control_port), "--seed", str(self.settings.seed),
+             "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
+            + (["--max-model-len", str(self.settings.max_model_len)]
+               if self.settings.max_model_len else [])
+            + list(extra),
+            stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
+        )
+        self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
+        self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
+
+    async def _start_synthetic(self, replay) -> None:
+        from specserve.draft.synthetic import write_replay
+
+        path = Path(self._tmp.name) / "replay.jsonl"
+        write_replay(path, replay)
+        self._start_draft_process(["--replay", str(path), "--vocab-size",
+                                   str(self.engine.model_config.get_vocab_size())])
+        await self._wait_for_draft()
+
+    async def record_replay(self, prompts_ids: list[list[int]], max_tokens: int) -> None:
+        """Synthetic draft only: record the target's greedy output for these
+        prompts (on the target engine, no drafts yet) and start the draft."""
+        if self.synthetic is None or self.draft_process is not None:
+            return
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        unique = [list(p) for p in dict.fromkeys(tuple(p) for p in prompts_ids)]
+        outs = await asyncio.gather(*(self.generate(p, params) for p in unique))
+        self.replay = list(zip(unique, outs))
+        await self._start_synthetic(self.replay)
+
     async def _start(self) -> None:
         apply_cpu_env(self.settings)
-        target_cpus, draft_cpus = self._cpu_binding()
-        if self.draft is not None:
-            draft_env = dict(os.environ)
-            if draft_cpus is not None:
-                draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
-            control_port = free_port()
-            self.draft_process = subprocess.Popen(
-                [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
-                 "--port", str(control_port), "--seed", str(self.settings.seed),
-                 "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
-                + (["--max-model-len", str(self.settings.max_model_len)]
-                   if self.settings.max_model_len else []),
-                stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
-            )
-            self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
-            self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
+        target_cpus, _ = self._cpu_binding()
+        if self.draft is not None and self.synthetic is None:
+            self._start_draft_process()  # it loads while the target engine starts
         port_file = Path(self._tmp.name) / "sink.port"
         if self.k > 0:
             os.environ[ENV_ADDRESS] = "127.0.0.1:0"
@@ -176,7 +213,10 @@ class LocalSpec:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if self.k > 0:
             self.sink_address = f"127.0.0.1:{int(port_file.read_text())}"
-        if self.draft is not None:
+        if self.synthetic is not None:
+            if self.replay is not None:
+                await self._start_synthetic(self.replay)
+        elif self.draft is not None:
             await self._wait_for_draft()
 
     async def _wait_for_draft(self) -> None:
@@ -268,6 +308,7 @@ def sampling_params(max_tokens: int, temperature: float, ignore_eos: bool):
 async def run_prompts(spec: LocalSpec, tokenizer, prompts: list[str], params) -> list[Output]:
     """All prompts concurrently; outputs in prompt order."""
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    await spec.record_replay(ids, params.max_tokens)
     outs = await asyncio.gather(*(spec.generate(i, params) for i in ids))
     return [
         Output(prompt=p, text=tokenizer.decode(o, skip_special_tokens=True), token_ids=o)

@@ -209,7 +209,11 @@ class DraftRunner:
                     req.changed.clear()
                     await req.changed.wait()
                     continue
-                await self._segment(req)
+                req.changed.clear()
+                if not await self._segment(req) and not req.changed.is_set():
+                    # The model had nothing to add (a synthetic draft past its
+                    # record): wait for the target instead of asking again at once.
+                    await req.changed.wait()
         except asyncio.CancelledError:
             pass
         except Exception:
@@ -220,8 +224,9 @@ class DraftRunner:
         """S already reaches W tokens past the verified position."""
         return len(req.tokens) >= len(req.verified) + req.lookahead
 
-    async def _segment(self, req: _Request) -> None:
+    async def _segment(self, req: _Request) -> bool:
         """Run the draft model on S until it is W ahead, rolled back or done.
+        Returns whether the model produced any token.
 
         A segment asks for all the tokens up to the limit and is stopped early
         (aborted) when S gets W ahead: restarting costs a prefill, so one long
@@ -232,18 +237,21 @@ class DraftRunner:
         self.stats.segments += 1
         segment_id = f"{req.id}#{req.segments}"
         want = req.limit - len(req.tokens)
+        produced = False
         async for new in self.model.continue_tokens(segment_id, req.id, list(req.tokens), want):
+            produced = True
             if req.cancelled or req.epoch != epoch:
-                return  # rolled back: this segment drafts a history the target left
+                return True  # rolled back: this segment drafts a history the target left
             start = len(req.tokens)
             req.tokens.extend(new)
             self.stats.drafted_tokens += len(new)
             if not req.agrees(start):
                 req.roll_back()  # we guessed a token the target already decided otherwise
                 self.stats.rollbacks += 1
-                return
+                return True
             v = len(req.verified)
             if len(req.tokens) > v:
                 req.link.send_draft(req.id, v, req.tokens[v:])
             if self._ahead(req):
-                return
+                return True
+        return produced

@@ -6,6 +6,8 @@ SIGTERM or SIGINT. `specserve generate` starts one of these per run; it is also
 how a draft replica runs outside Ray.
 
     python -m specserve.draft.server --model PATH --port P [--max-model-len N]
+    python -m specserve.draft.server --model synthetic:A[@Dms] --replay FILE \
+        --vocab-size V --port P [--seed S]
 """
 
 from __future__ import annotations
@@ -52,19 +54,36 @@ class DrafterService(spec_pb2_grpc.DrafterServicer):
         return spec_pb2.DraftAck(ok=True, message=f"active={self.runner.active()}")
 
 
+def _synthetic_model(args):
+    from specserve.draft import synthetic
+
+    if args.replay is None or args.vocab_size is None:
+        raise SystemExit("a synthetic draft needs --replay FILE and --vocab-size V")
+    replay = synthetic.Replay.load(args.replay)
+    log.info("synthetic draft %s: %d recorded prompts", args.model, len(replay))
+    return synthetic.SyntheticDraftModel(
+        synthetic.parse(args.model), replay, args.vocab_size, seed=args.seed,
+        max_model_len=args.max_model_len or (1 << 30))
+
+
 async def serve(args) -> None:
-    from specserve.engine import EngineSettings, apply_cpu_env, draft_engine_args
     from specserve.draft.runner import VllmDraftModel
+    from specserve.draft.synthetic import is_synthetic
+    from specserve.engine import EngineSettings, apply_cpu_env, draft_engine_args
 
-    settings = EngineSettings(
-        max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
-    )
-    apply_cpu_env(settings)
-    from vllm.v1.engine.async_llm import AsyncLLM
+    engine = None
+    if is_synthetic(args.model):
+        model = _synthetic_model(args)
+    else:
+        settings = EngineSettings(
+            max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
+            kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
+        )
+        apply_cpu_env(settings)
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(draft_engine_args(args.model, settings))
-    model = VllmDraftModel(engine, engine.model_config.max_model_len)
+        engine = AsyncLLM.from_engine_args(draft_engine_args(args.model, settings))
+        model = VllmDraftModel(engine, engine.model_config.max_model_len)
     runner = DraftRunner(model)
     server = grpc.aio.server()
     spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
@@ -79,12 +98,18 @@ async def serve(args) -> None:
     log.info("draft shutting down: %s", runner.stats)
     await server.stop(0.5)
     await runner.close()
-    engine.shutdown()
+    if engine is not None:
+        engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m specserve.draft.server")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True,
+                   help="draft model folder, or synthetic:A[@Dms] (see specserve.draft.synthetic)")
+    p.add_argument("--replay", default=None,
+                   help="synthetic only: JSON lines of the target's greedy outputs to replay")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="synthetic only: the target's vocabulary size (corrupted ids stay below)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-model-len", type=int, default=None)
