@@ -646,6 +646,7 @@ def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
           prices: Prices, colocated: bool = False) -> list[Result]:
     """Every (drafts, K) pair (K = 0 once, with no drafts), plus the co-located
     baseline at each K > 0 when asked; each result carries its cost per hour.
+    W is at least 2K (the product default) at each K.
     Sorted best first by goodput per dollar (then throughput)."""
     scenarios = []
     for k in sorted(set(ks)):
@@ -655,7 +656,7 @@ def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
         for n in sorted(set(drafts)):
             if n > 0:
                 scenarios.append(dataclasses.replace(
-                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, k + 1)))
+                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, 2 * k)))
         if colocated:
             scenarios.append(dataclasses.replace(base, k=k, drafts=0, colocated=True))
     results = []

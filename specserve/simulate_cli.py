@@ -2,7 +2,7 @@
 
 Owns the arguments, reading a profile file, and printing (a Markdown table, or
 one JSON object with --json). The model itself is `specserve.simulate` (pure);
-measuring a profile on this machine is `specserve.profile`.
+measuring a profile is `specserve.measure` (run by `specserve.gpucheck`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def add_parser(sub) -> None:
     s = sub.add_parser(
         "simulate", help="capacity simulator: draft/target pools, K, W, alpha, RTT (no engine)",
         description="Discrete-event model of N draft replicas and M target replicas. Costs come "
-        "from --profile (JSON, specserve-profile/1; `specserve profile` measures one here) or from "
-        "constant step times given as flags. With --sweep-drafts/--sweep-k it finds the draft "
+        "from --profile (JSON, specserve-profile/1; `python -m specserve.gpucheck` measures one) or "
+        "from constant step times given as flags. With --sweep-drafts/--sweep-k it finds the draft "
         "replica count and K with the best goodput per dollar.")
     s.add_argument("--profile", help="profile JSON (specserve-profile/1)")
     s.add_argument("--target-step-ms", type=float, help="constant target step time (no profile)")
@@ -68,7 +68,8 @@ def load_profile(args) -> Profile:
     if args.profile:
         path = Path(args.profile)
         if not path.is_file():
-            raise ValueError(f"profile {path} does not exist; measure one with `specserve profile`")
+            raise ValueError(f"profile {path} does not exist; measure one with "
+                             "`python -m specserve.gpucheck` (docs/simulator.md)")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -106,7 +107,8 @@ def table_row(r: Result) -> str:
     cost = "" if r.cost_per_hour is None else f"{r.cost_per_hour:.2f}"
     per_dollar = r.goodput_tokens_per_dollar
     per_dollar = "" if per_dollar is None else f"{per_dollar:,.0f}"
-    return (f"| {sc.mode} | {sc.targets} | {sc.drafts} | {sc.k} | {sc.lookahead} "
+    w = sc.lookahead if sc.mode == "disaggregated" else "-"
+    return (f"| {sc.mode} | {sc.targets} | {sc.drafts} | {sc.k} | {w} "
             f"| {r.throughput_tok_s:.1f} | {r.goodput_tok_s:.1f} "
             f"| {r.tpot_ms['p50']:.2f} / {r.tpot_ms['p99']:.2f} "
             f"| {r.ttft_ms['p50']:.1f} / {r.ttft_ms['p99']:.1f} "

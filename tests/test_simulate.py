@@ -242,7 +242,7 @@ def test_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "best goodput per dollar" in r.stdout and "| colocated |" in r.stdout
     bad = run_cli("simulate", "--profile", str(tmp_path / "missing.json"))
-    assert bad.returncode == 2 and "specserve profile" in bad.stderr
+    assert bad.returncode == 2 and "specserve.gpucheck" in bad.stderr
     bad = run_cli("simulate", "--target-step-ms", "10", "--draft-step-ms", "1", "-k", "4",
                   "--lookahead", "3")
     assert bad.returncode == 2 and "lookahead" in bad.stderr
