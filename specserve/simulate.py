@@ -11,8 +11,8 @@ profile, a scenario and a seed (files are read and written by the CLI).
 The model follows the real system's mechanics (DESIGN.md, specserve/draft/runner.py):
 
 - A target replica runs continuous batching: each step takes its running
-  requests (admitting waiting ones up to `max_num_seqs`; their prefill is part of
-  that step and emits their first token). For each running request it verifies
+  requests (admitting waiting ones up to `max_num_seqs` and `max_prefill_tokens`
+  prompt tokens; their prefill is part of that step and emits their first token). For each running request it verifies
   up to K drafted tokens that are *waiting at the target* when the step starts
   (coverage), else it decodes one token. The step costs `target.step(tokens,
   seqs)` where tokens counts every query token of the batch (1 + drafts per row).
@@ -104,6 +104,7 @@ class TargetCost:
     spec_overhead_ms: float = 0.0      # per step with a remote-draft proposer (K > 0)
     gpus: int = 1                      # GPUs per replica (TP), for the price
     max_num_seqs: int = 256
+    max_prefill_tokens: int = 8192     # prompt tokens admitted per step (at least one prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ class Profile:
         {"format": "specserve-profile/1", "source": "...",
          "target": {"step_ms": {"points": [[tokens, ms], ...], "per_seq_ms": 0},
                     "prefill_ms_per_token": 0.1, "spec_overhead_ms": 0, "gpus": 8,
-                    "max_num_seqs": 256},
+                    "max_num_seqs": 256, "max_prefill_tokens": 8192},
          "draft": {"step_ms": {"points": [[batch, ms], ...]}, "prefill_ms_per_token": 0.01,
                    "restart_ms": 0, "gpus": 1},
          "colocated_draft": {"step_ms": {"points": [[batch, ms], ...]}}}
@@ -150,6 +151,7 @@ class Profile:
             spec_overhead_ms=float(t.get("spec_overhead_ms", 0.0)),
             gpus=int(t.get("gpus", 1)),
             max_num_seqs=int(t.get("max_num_seqs", 256)),
+            max_prefill_tokens=int(t.get("max_prefill_tokens", 8192)),
         )
         draft = None
         if d.get("draft") is not None:
@@ -171,7 +173,8 @@ class Profile:
                                 "prefill_ms_per_token": self.target.prefill_ms_per_token,
                                 "spec_overhead_ms": self.target.spec_overhead_ms,
                                 "gpus": self.target.gpus,
-                                "max_num_seqs": self.target.max_num_seqs}}
+                                "max_num_seqs": self.target.max_num_seqs,
+                                "max_prefill_tokens": self.target.max_prefill_tokens}}
         if self.draft is not None:
             out["draft"] = {"step_ms": self.draft.step.to_dict(),
                             "prefill_ms_per_token": self.draft.prefill_ms_per_token,
@@ -539,7 +542,8 @@ class _Sim:
             decode.append((r, flags))
             tokens += 1 + len(flags)
         new = []
-        while waiting and len(running) + len(new) < cost.max_num_seqs:
+        while (waiting and len(running) + len(new) < cost.max_num_seqs
+               and (not new or (len(new) + 1) * sc.prompt_len <= cost.max_prefill_tokens)):
             new.append(waiting.popleft())
         ms = cost.step(tokens + len(new), len(decode) + len(new))
         ms += cost.prefill_ms_per_token * sc.prompt_len * len(new)

@@ -167,6 +167,19 @@ def test_poisson_light_load_has_no_queueing():
     assert r.tpot_ms["p50"] == pytest.approx(T)
 
 
+def test_prefill_budget_spreads_a_burst_over_steps():
+    """16 requests arrive at once with 1000-token prompts and a 4096-token prefill
+    budget: 4 are admitted per step, so their first tokens come at 1, 2, 3, 4
+    steps of T + 4 * 1000 * 0.01 ms (their decode rides along, free here)."""
+    p = Profile(TargetCost(StepCost.constant(T), prefill_ms_per_token=0.01,
+                           max_prefill_tokens=4096), None)
+    r = simulate(p, Scenario(k=0, drafts=0, concurrency=16, requests=16, prompt_len=1000,
+                             output_len=8))
+    step = T + 40.0
+    assert r.ttft_ms["p50"] == pytest.approx(2.5 * step)  # halfway between steps 2 and 3
+    assert r.ttft_ms["p99"] == pytest.approx(4 * step, rel=0.02)
+
+
 def test_deterministic_for_a_seed():
     sc = Scenario(k=4, alpha=0.7, rtt_ms=2.0, concurrency=None, rate_per_s=50, requests=40)
     p = profile(draft_ms=2.0)
@@ -206,7 +219,7 @@ def test_cost_per_hour():
 
 
 def test_profile_round_trip_and_errors():
-    p = Profile(TargetCost(StepCost(((1, 5.0), (32, 9.0)), per_seq_ms=0.01), 0.02, 0.3, 8, 128),
+    p = Profile(TargetCost(StepCost(((1, 5.0), (32, 9.0)), per_seq_ms=0.01), 0.02, 0.3, 8, 128, 4096),
                 DraftCost(StepCost(((1, 1.0), (8, 2.0))), 0.001, 0.5, 1), StepCost.constant(0.7),
                 source="test")
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
