@@ -49,10 +49,12 @@ PRESETS = {
                  alphas=[0.6, 0.8], ks=[2], concurrency=[1, 2], prompt_len=16, max_tokens=32,
                  rounds=1, profile_concurrency=[1, 2], profile_lengths=[16, 64], max_num_seqs=8,
                  budget_s=240),
+    # Step costs as one straight line in tokens (compute-bound CPU, noisy shared machine).
     "calibrate": dict(target_shape=None, draft_shape=None, device="cpu", dtype="float32",
                       alphas=[0.6, 0.8], ks=[2, 4], concurrency=[1, 8], prompt_len=32,
-                      max_tokens=64, rounds=2, profile_concurrency=[1, 2, 4, 8],
-                      profile_lengths=[16, 64], max_num_seqs=16, budget_s=540),
+                      max_tokens=48, rounds=2, profile_concurrency=[1, 2, 8],
+                      profile_lengths=[16, 48], max_num_seqs=16, budget_s=560,
+                      linear_profile=True),
 }
 
 ASSUMED_RTT_MS = 0.5  # gRPC on localhost, one process per side
@@ -147,7 +149,8 @@ def markdown(data: dict) -> str:
     lines = [f"# specserve gpu-check ({data['preset']})", "",
              f"Environment: `{json.dumps(data['environment'])}`", "",
              "| system | K | A | C | tok/s | vs target-only | predicted tok/s | error "
-             "| coverage | accept | mean acc. len | latency/token p50 ms |",
+             "| coverage (predicted) | accept | mean acc. len (predicted) "
+             "| latency/token p50 ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {c["concurrency"]: c["output_tokens_per_s"] for c in data["cells"]
             if c["system"] == "target_only"}
@@ -162,8 +165,10 @@ def markdown(data: dict) -> str:
             f"| {c['system']} | {c['k']} | {f(c['alpha'], 'g')} | {c['concurrency']} "
             f"| {c['output_tokens_per_s']:.1f} | {f(ratio, '.2f')} "
             f"| {f(c.get('predicted_tokens_per_s'), '.1f')} "
-            f"| {f(c.get('prediction_error'), '+.1%')} | {f(c['coverage'], '.2f')} "
+            f"| {f(c.get('prediction_error'), '+.1%')} "
+            f"| {f(c['coverage'], '.2f')} ({f(c.get('predicted_coverage'), '.2f')}) "
             f"| {f(c['acceptance_rate'], '.2f')} | {f(c['mean_accepted_length'], '.2f')} "
+            f"({f(c.get('predicted_mean_accepted_length'), '.2f')}) "
             f"| {c['latency_per_token_ms_p50']:.2f} |")
     for s in data["skipped"]:
         lines.append(f"\nskipped: {s}")
@@ -172,7 +177,7 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int) -> float:
+def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int):
     from specserve.simulate import Profile, Scenario, simulate
 
     sc = Scenario(targets=1, drafts=1 if cell["k"] else 0, k=cell["k"], lookahead=lookahead,
@@ -180,7 +185,33 @@ def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int) -> 
                   rtt_ms=ASSUMED_RTT_MS, concurrency=cell["concurrency"],
                   requests=cell["prompts"], prompt_len=prompt_len,
                   output_len=cell["max_tokens"], seed=0)
-    return simulate(Profile.from_dict(profile_dict), sc).throughput_tok_s
+    return simulate(Profile.from_dict(profile_dict), sc)
+
+
+def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict],
+           draft_points: list[dict]) -> None:
+    """The profile from the measured points, and the simulator's prediction per cell."""
+    from specserve.measure import profile_from_points
+
+    if points:
+        src = (f"measured by specserve.gpucheck --preset {preset} on "
+               f"{env.get('gpu', 'CPU')} ({time.strftime('%Y-%m-%d', time.gmtime())})")
+        report.profile = profile_from_points(points, src, max_num_seqs=cfg["max_num_seqs"],
+                                             linear=cfg.get("linear_profile", False))
+        if draft_points:
+            # The draft shape's step, for planning a real draft on this GPU (the
+            # synthetic draft used in the cells costs ~0).
+            report.profile["draft_shape_step_ms"] = {
+                "points": [[p["tokens_per_step"], p["step_ms"]] for p in draft_points]}
+        have_alpha1 = any(p.get("alpha") == 1.0 for p in points)
+        for c in report.data["cells"]:
+            if c["k"] and not have_alpha1:
+                continue
+            r = predict(report.profile, c, 2 * (c["k"] or 4), cfg["prompt_len"])
+            c["predicted_tokens_per_s"] = r.throughput_tok_s
+            c["prediction_error"] = c["predicted_tokens_per_s"] / c["output_tokens_per_s"] - 1
+            c["predicted_coverage"] = r.coverage if c["k"] else None
+            c["predicted_mean_accepted_length"] = r.mean_accepted_length if c["k"] else None
 
 
 async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
@@ -281,22 +312,7 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
     elif cfg.get("draft_shape"):
         report.data["skipped"].append("draft-shape step cost: time budget spent")
 
-    if points:
-        src = (f"measured by specserve.gpucheck --preset {preset} on "
-               f"{env.get('gpu', 'CPU')} ({time.strftime('%Y-%m-%d', time.gmtime())})")
-        report.profile = profile_from_points(points, src, max_num_seqs=cfg["max_num_seqs"])
-        if draft_points:
-            # The draft shape's step, for planning a real draft on this GPU (the
-            # synthetic draft used in the cells costs ~0).
-            report.profile["draft_shape_step_ms"] = {
-                "points": [[p["tokens_per_step"], p["step_ms"]] for p in draft_points]}
-        have_alpha1 = any(p.get("alpha") == 1.0 for p in points)
-        for c in report.data["cells"]:
-            if c["k"] and not have_alpha1:
-                continue
-            c["predicted_tokens_per_s"] = predict(report.profile, c, 2 * (c["k"] or 4),
-                                                  cfg["prompt_len"])
-            c["prediction_error"] = c["predicted_tokens_per_s"] / c["output_tokens_per_s"] - 1
+    finish(report, preset, cfg, env, points, draft_points)
     report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report.data["elapsed_s"] = round(time.monotonic() - t0, 1)
     report.save()
@@ -313,7 +329,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="a real model folder instead of a random-weight shape "
                    "(the calibrate preset: the default model)")
     p.add_argument("--budget-s", type=float, help="time budget for the measurements")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: redo the profile, predictions and table from "
+                   "--out's results.json (e.g. after a run was cut short)")
     args = p.parse_args(argv)
+    if args.report_only:
+        out = Path(args.out)
+        data = json.loads((out / "results.json").read_text())
+        report = Report(out, data["preset"], data["config"], data["environment"])
+        report.data = data
+        finish(report, data["preset"], data["config"], data["environment"],
+               data["profile_points"], data.get("draft_shape_points", []))
+        report.save()
+        print((out / "results.md").read_text())
+        return 0
     cfg = dict(PRESETS[args.preset])
     if args.budget_s:
         cfg["budget_s"] = args.budget_s

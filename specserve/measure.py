@@ -230,14 +230,26 @@ async def profile_points(spec, system: str, alpha: float | None, concurrencies: 
     return out
 
 
+def linear_fit(xy: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) with the slope kept >= 0."""
+    n = len(xy)
+    mx = sum(x for x, _ in xy) / n
+    my = sum(y for _, y in xy) / n
+    sxx = sum((x - mx) ** 2 for x, _ in xy)
+    slope = max(sum((x - mx) * (y - my) for x, y in xy) / sxx, 0.0) if sxx else 0.0
+    return max(my - slope * mx, 0.0), slope
+
+
 def profile_from_points(points: list[dict], source: str, gpus: int = 1,
-                        max_num_seqs: int = 64, draft_step_ms: float = 0.0) -> dict:
+                        max_num_seqs: int = 64, draft_step_ms: float = 0.0,
+                        linear: bool = False) -> dict:
     """A specserve-profile/1 dict from measured points.
 
     target.step_ms: target-only points (x = batch) and the A = 1 speculative
     points (x = batch * tokens per step) with the proposer's overhead taken out;
     spec_overhead_ms: A = 0 speculative step minus target-only step at the same
     batch (never below 0). The draft is the synthetic one: `draft_step_ms`.
+    linear: replace the points by a least-squares line through them.
     """
     base = {p["concurrency"]: p for p in points if p["system"] == "target_only"}
     overheads = [p["step_ms"] - base[p["concurrency"]]["step_ms"] for p in points
@@ -251,6 +263,11 @@ def profile_from_points(points: list[dict], source: str, gpus: int = 1,
         elif p["alpha"] == 1.0:
             pts.setdefault(round(p["tokens_per_step"], 2), []).append(p["step_ms"] - overhead)
     step = sorted((x, max(sum(v) / len(v), 0.0)) for x, v in pts.items())
+    if linear and len(step) >= 2:
+        # One straight line through all points (compute-bound CPU): robust to
+        # the noise of a shared machine, where single points can be off by 30 %.
+        a, b = linear_fit(step)
+        step = [(step[0][0], a + b * step[0][0]), (step[-1][0], a + b * step[-1][0])]
     return {
         "format": "specserve-profile/1", "source": source,
         "target": {"step_ms": {"points": [list(p) for p in step], "per_seq_ms": 0.0},
