@@ -293,7 +293,9 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
                         report.data["skipped"].append(f"{system} K={k} A={a} C={c}: budget")
                         continue
                     cell = await run_cell(spec, cell_prompts(c), cfg["max_tokens"], c, system, a)
-                    report.data["cells"].append(cell.to_dict())
+                    # the machine's load while measuring (others share it)
+                    report.data["cells"].append({**cell.to_dict(),
+                                                 "loadavg_1m": os.getloadavg()[0]})
                     report.save()
                     say(f"{system} K={k} A={a} C={c}: {cell.output_tokens_per_s:.1f} tok/s, "
                         f"coverage {cell.coverage}, accepted length {cell.mean_accepted_length}")
