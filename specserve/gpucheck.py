@@ -177,15 +177,37 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int):
-    from specserve.simulate import Profile, Scenario, simulate
+def synthetic_lookahead(w: int) -> int:
+    """How far the synthetic draft (no delay) really runs ahead: it yields chunks of
+    CHUNK tokens and checks W after each, so it stops between W and W + CHUNK - 1
+    past the verified position; model it as W + CHUNK - 1."""
+    from specserve.draft.synthetic import CHUNK
 
-    sc = Scenario(targets=1, drafts=1 if cell["k"] else 0, k=cell["k"], lookahead=lookahead,
-                  alpha=cell["alpha"] if cell["alpha"] is not None else 0.0,
-                  rtt_ms=ASSUMED_RTT_MS, concurrency=cell["concurrency"],
-                  requests=cell["prompts"], prompt_len=prompt_len,
-                  output_len=cell["max_tokens"], seed=0)
-    return simulate(Profile.from_dict(profile_dict), sc)
+    return w + CHUNK - 1
+
+
+def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int,
+            seeds: int = 10) -> dict:
+    """The simulator's expectation for a cell: means over `seeds` runs (a cell is
+    a few hundred tokens, so one run's acceptance is noisy)."""
+    from specserve.simulate import Profile, simulate
+
+    profile = Profile.from_dict(profile_dict)
+    runs = [simulate(profile, _scenario(cell, lookahead, prompt_len, seed))
+            for seed in range(seeds)]
+    return {"tokens_per_s": sum(r.throughput_tok_s for r in runs) / seeds,
+            "coverage": sum(r.coverage for r in runs) / seeds,
+            "mean_accepted_length": sum(r.mean_accepted_length for r in runs) / seeds}
+
+
+def _scenario(cell: dict, lookahead: int, prompt_len: int, seed: int):
+    from specserve.simulate import Scenario
+
+    return Scenario(targets=1, drafts=1 if cell["k"] else 0, k=cell["k"], lookahead=lookahead,
+                    alpha=cell["alpha"] if cell["alpha"] is not None else 0.0,
+                    rtt_ms=ASSUMED_RTT_MS, concurrency=cell["concurrency"],
+                    requests=cell["prompts"], prompt_len=prompt_len,
+                    output_len=cell["max_tokens"], seed=seed)
 
 
 def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict],
@@ -207,11 +229,12 @@ def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict]
         for c in report.data["cells"]:
             if c["k"] and not have_alpha1:
                 continue
-            r = predict(report.profile, c, 2 * (c["k"] or 4), cfg["prompt_len"])
-            c["predicted_tokens_per_s"] = r.throughput_tok_s
+            r = predict(report.profile, c, synthetic_lookahead(2 * (c["k"] or 4)),
+                        cfg["prompt_len"])
+            c["predicted_tokens_per_s"] = r["tokens_per_s"]
             c["prediction_error"] = c["predicted_tokens_per_s"] / c["output_tokens_per_s"] - 1
-            c["predicted_coverage"] = r.coverage if c["k"] else None
-            c["predicted_mean_accepted_length"] = r.mean_accepted_length if c["k"] else None
+            c["predicted_coverage"] = r["coverage"] if c["k"] else None
+            c["predicted_mean_accepted_length"] = r["mean_accepted_length"] if c["k"] else None
 
 
 async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
