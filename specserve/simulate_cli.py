@@ -13,7 +13,15 @@ import sys
 from pathlib import Path
 
 from specserve.simulate import (
-    DraftCost, Prices, Profile, Result, Scenario, StepCost, TargetCost, cost_per_hour, simulate,
+    DraftCost,
+    Prices,
+    Profile,
+    Result,
+    Scenario,
+    StepCost,
+    TargetCost,
+    cost_per_hour,
+    simulate,
     sweep,
 )
 

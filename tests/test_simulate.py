@@ -14,8 +14,17 @@ import pytest
 from conftest import run_cli
 
 from specserve.simulate import (
-    DraftCost, Prices, Profile, Scenario, StepCost, TargetCost, cost_per_hour,
-    expected_tokens_per_step, percentiles, simulate, sweep,
+    DraftCost,
+    Prices,
+    Profile,
+    Scenario,
+    StepCost,
+    TargetCost,
+    cost_per_hour,
+    expected_tokens_per_step,
+    percentiles,
+    simulate,
+    sweep,
 )
 
 T = 10.0  # ms per target step
