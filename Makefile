@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Long checks have a short form in `make test`; set PYTEST_ARGS to pass more.
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast soak serve bench bench-quick proto clean browser helm-schema
+.PHONY: install test test-fast soak serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
 
 install: $(STAMP)
 
@@ -71,6 +71,28 @@ proto: install
 # checks the checked-in helm/specserve/values.schema.json matches).
 helm-schema: install
 	$(PY) -m specserve.chart
+
+# One-shot GPU check (docs/gpu-check.md): on a GPU box with vllm==0.32.0 (GPU build)
+# preinstalled, no network. Installs nothing from the internet: wheels carried in
+# under gpu-wheels/ (make gpu-wheels, here) go into .gpu-site/ only if the image
+# lacks them. GPU_PYTHON: the interpreter that has vLLM.
+GPU_PYTHON    ?= python3
+GPU_CHECK_OUT ?= gpu-check-results
+gpu-check:
+	@$(GPU_PYTHON) -c "import grpc, google.protobuf; import sys; sys.path.insert(0, '.'); import specserve.v1.spec_pb2_grpc" 2>/dev/null \
+	  || { test -d gpu-wheels || { echo "gpu-check: grpcio/protobuf missing or too old and no gpu-wheels/ here; run 'make gpu-wheels' on a networked machine and carry the folder in" >&2; exit 3; }; \
+	       $(GPU_PYTHON) -m pip install --no-index --find-links gpu-wheels --target .gpu-site grpcio protobuf; }
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.gpu-site timeout 840 $(GPU_PYTHON) -m specserve.gpucheck --preset gpu --out $(GPU_CHECK_OUT)
+
+# The same check in a CPU-sized form (what tests/test_gpucheck.py runs in `make test`).
+gpu-check-tiny: install
+	PYTHONPATH=$(CURDIR) $(PY) -m specserve.gpucheck --preset tiny --out $(GPU_CHECK_OUT)-tiny
+
+# Wheels to carry to an offline GPU box (GPU_PY_VERSION: its Python, e.g. 3.12).
+GPU_PY_VERSION ?= 3.12
+gpu-wheels: install
+	$(PIP) download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+	  --python-version $(GPU_PY_VERSION) -d gpu-wheels grpcio==1.85.3 protobuf==7.36.2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

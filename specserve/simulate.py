@@ -1,0 +1,677 @@
+"""A discrete-event model of disaggregated speculative decoding, for capacity planning.
+
+Owns the arithmetic of `specserve simulate`: N draft replicas and M target
+replicas (each target replica may span TP GPUs; its step costs say how fast it
+is), per-step costs as functions of batch size and tokens (a `Profile`, measured
+or from published numbers), a network round trip between the pools, acceptance
+alpha, K, lookahead W and an arrival process (Poisson or closed-loop). It never
+starts an engine, opens a file or a socket: `simulate()` is a pure function of a
+profile, a scenario and a seed (files are read and written by the CLI).
+
+The model follows the real system's mechanics (DESIGN.md, specserve/draft/runner.py):
+
+- A target replica runs continuous batching: each step takes its running
+  requests (admitting waiting ones up to `max_num_seqs` and `max_prefill_tokens`
+  prompt tokens; their prefill is part of that step and emits their first token). For each running request it verifies
+  up to K drafted tokens that are *waiting at the target* when the step starts
+  (coverage), else it decodes one token. The step costs `target.step(tokens,
+  seqs)` where tokens counts every query token of the batch (1 + drafts per row).
+- Every drafted token is right with probability alpha, independently (as with the
+  synthetic draft): a verify step with n drafts accepts the leading right ones
+  and emits one more token of the target's own (recovered or bonus), so with n = K
+  always waiting it emits (1 - alpha^(K+1)) / (1 - alpha) tokens on average.
+- A draft replica runs batched steps over its requests that are fewer than W
+  tokens past the verified position it knows; each step adds one token per such
+  request. Tokens reach the target rtt/2 after they exist; verified positions
+  reach the draft rtt/2 after the target step that made them. When the target
+  decides a position differently from the draft (a rejected token, or a bonus
+  token the draft guessed wrong, or a token the draft produced while behind), the
+  draft rolls back: it restarts from the verified history (a segment restart,
+  `draft.restart_ms`). A draft that reaches W ahead stops its segment; it restarts
+  (same cost) when the target verifies more.
+- Co-located baseline (vLLM `draft_model`): no draft pool; the draft runs on the
+  target's GPUs at the target's TP, K draft steps before every verify step, so
+  drafts are always waiting (coverage 1) and every step pays K draft steps.
+
+Time is in milliseconds throughout.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import math
+import random
+from collections import deque
+from typing import Any
+
+PROFILE_FORMAT = "specserve-profile/1"
+
+
+# ---- costs ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Step time (ms) as a piecewise-linear function of x (tokens, or batch size),
+    plus `per_seq_ms` per sequence in the batch. Past the last point it goes on
+    along the last segment's slope; below the first point it is flat."""
+
+    points: tuple[tuple[float, float], ...]
+    per_seq_ms: float = 0.0
+
+    def __post_init__(self):
+        pts = tuple(sorted((float(x), float(y)) for x, y in self.points))
+        if not pts:
+            raise ValueError("a step cost needs at least one (x, ms) point")
+        if any(y < 0 for _, y in pts) or self.per_seq_ms < 0:
+            raise ValueError("step times must be >= 0")
+        if len({x for x, _ in pts}) != len(pts):
+            raise ValueError(f"step cost points repeat an x: {pts}")
+        object.__setattr__(self, "points", pts)
+
+    @classmethod
+    def constant(cls, ms: float) -> "StepCost":
+        return cls(((1.0, ms),))
+
+    def __call__(self, x: float, seqs: int = 0) -> float:
+        pts = self.points
+        if len(pts) == 1 or x <= pts[0][0]:
+            y = pts[0][1]
+        else:
+            i = bisect.bisect_right([p[0] for p in pts], x)
+            (x0, y0), (x1, y1) = pts[min(i, len(pts) - 1) - 1], pts[min(i, len(pts) - 1)]
+            y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return max(y, 0.0) + self.per_seq_ms * seqs
+
+    def to_dict(self) -> dict:
+        return {"points": [list(p) for p in self.points], "per_seq_ms": self.per_seq_ms}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str) -> "StepCost":
+        if isinstance(d, (int, float)):
+            return cls.constant(float(d))
+        if not isinstance(d, dict) or "points" not in d:
+            raise ValueError(f"{what}: expected a number of ms or {{'points': [[x, ms], ...]}}")
+        return cls(tuple(tuple(p) for p in d["points"]), float(d.get("per_seq_ms", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCost:
+    step: StepCost                     # x = query tokens in the step (1 + drafts per row)
+    prefill_ms_per_token: float = 0.0  # added to the step that admits a request
+    spec_overhead_ms: float = 0.0      # per step with a remote-draft proposer (K > 0)
+    gpus: int = 1                      # GPUs per replica (TP), for the price
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 8192     # prompt tokens admitted per step (at least one prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftCost:
+    step: StepCost                     # x = requests drafted in the step (one token each)
+    prefill_ms_per_token: float = 0.0  # a new request's prompt, once
+    restart_ms: float = 0.0            # a segment restart (rollback, or resuming after W)
+    gpus: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Step costs of one target/draft pair on given hardware. JSON format
+    `specserve-profile/1` (see docs/simulator.md):
+
+        {"format": "specserve-profile/1", "source": "...",
+         "target": {"step_ms": {"points": [[tokens, ms], ...], "per_seq_ms": 0},
+                    "prefill_ms_per_token": 0.1, "spec_overhead_ms": 0, "gpus": 8,
+                    "max_num_seqs": 256, "max_prefill_tokens": 8192},
+         "draft": {"step_ms": {"points": [[batch, ms], ...]}, "prefill_ms_per_token": 0.01,
+                   "restart_ms": 0, "gpus": 1},
+         "colocated_draft": {"step_ms": {"points": [[batch, ms], ...]}}}
+
+    `colocated_draft` (optional): the draft's step on the target's GPUs at the
+    target's TP, for the vLLM draft_model baseline. A step cost may also be a
+    plain number of ms.
+    """
+
+    target: TargetCost
+    draft: DraftCost | None = None
+    colocated_draft: StepCost | None = None
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        if d.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
+            raise ValueError(f"profile format {d.get('format')!r} is not {PROFILE_FORMAT!r}")
+        if "target" not in d:
+            raise ValueError("profile has no 'target' section")
+        t = d["target"]
+        target = TargetCost(
+            step=StepCost.from_dict(t.get("step_ms"), "target.step_ms"),
+            prefill_ms_per_token=float(t.get("prefill_ms_per_token", 0.0)),
+            spec_overhead_ms=float(t.get("spec_overhead_ms", 0.0)),
+            gpus=int(t.get("gpus", 1)),
+            max_num_seqs=int(t.get("max_num_seqs", 256)),
+            max_prefill_tokens=int(t.get("max_prefill_tokens", 8192)),
+        )
+        draft = None
+        if d.get("draft") is not None:
+            x = d["draft"]
+            draft = DraftCost(
+                step=StepCost.from_dict(x.get("step_ms"), "draft.step_ms"),
+                prefill_ms_per_token=float(x.get("prefill_ms_per_token", 0.0)),
+                restart_ms=float(x.get("restart_ms", 0.0)),
+                gpus=int(x.get("gpus", 1)),
+            )
+        colo = None
+        if d.get("colocated_draft") is not None:
+            colo = StepCost.from_dict(d["colocated_draft"].get("step_ms"), "colocated_draft.step_ms")
+        return cls(target, draft, colo, str(d.get("source", "")))
+
+    def to_dict(self) -> dict:
+        out: dict = {"format": PROFILE_FORMAT, "source": self.source,
+                     "target": {"step_ms": self.target.step.to_dict(),
+                                "prefill_ms_per_token": self.target.prefill_ms_per_token,
+                                "spec_overhead_ms": self.target.spec_overhead_ms,
+                                "gpus": self.target.gpus,
+                                "max_num_seqs": self.target.max_num_seqs,
+                                "max_prefill_tokens": self.target.max_prefill_tokens}}
+        if self.draft is not None:
+            out["draft"] = {"step_ms": self.draft.step.to_dict(),
+                            "prefill_ms_per_token": self.draft.prefill_ms_per_token,
+                            "restart_ms": self.draft.restart_ms, "gpus": self.draft.gpus}
+        if self.colocated_draft is not None:
+            out["colocated_draft"] = {"step_ms": self.colocated_draft.to_dict()}
+        return out
+
+
+# ---- scenario and result --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    targets: int = 1             # M target replicas
+    drafts: int = 1              # N draft replicas (0: target-only, or co-located)
+    k: int = 4                   # K: drafted tokens verified per request-step (0: no speculation)
+    lookahead: int = 8           # W: how far a draft runs past the verified position it knows
+    alpha: float = 0.8           # chance that a drafted token is the target's
+    rtt_ms: float = 0.0          # draft <-> target network round trip
+    concurrency: int | None = 8  # closed loop: this many requests in flight ...
+    rate_per_s: float | None = None  # ... or Poisson arrivals at this rate
+    requests: int = 64
+    prompt_len: int = 128
+    output_len: int = 128
+    colocated: bool = False      # vLLM draft_model: the draft on the target's GPUs
+    seed: int = 0
+    ttft_slo_ms: float = 2000.0  # goodput counts requests within both objectives
+    tpot_slo_ms: float = 200.0
+
+    def check(self, profile: Profile) -> None:
+        """Fail fast with the fix, before simulating."""
+        if self.targets < 1:
+            raise ValueError("targets must be >= 1")
+        if self.drafts < 0 or self.k < 0:
+            raise ValueError("drafts and k must be >= 0")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.rtt_ms < 0:
+            raise ValueError("rtt_ms must be >= 0")
+        if (self.concurrency is None) == (self.rate_per_s is None):
+            raise ValueError("give exactly one of concurrency (closed loop) and rate_per_s (Poisson)")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.rate_per_s is not None and not self.rate_per_s > 0:
+            raise ValueError("rate_per_s must be > 0")
+        if self.requests < 1 or self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError("requests, prompt_len and output_len must be >= 1")
+        if self.k > 0 and not self.colocated and self.drafts > 0:
+            if self.lookahead <= self.k:
+                raise ValueError(f"lookahead ({self.lookahead}) must be greater than K ({self.k})")
+            if profile.draft is None:
+                raise ValueError("the profile has no 'draft' section; add one or set drafts=0")
+        if self.colocated and self.k > 0 and profile.colocated_draft is None:
+            raise ValueError("co-located mode needs the profile's 'colocated_draft' step cost")
+        if self.colocated and self.drafts:
+            raise ValueError("co-located mode has no draft pool: set drafts=0")
+
+    @property
+    def mode(self) -> str:
+        if self.k == 0:
+            return "target_only"
+        if self.colocated:
+            return "colocated"
+        return "disaggregated" if self.drafts > 0 else "target_only_with_proposer"
+
+
+@dataclasses.dataclass
+class Result:
+    scenario: Scenario
+    output_tokens: int
+    makespan_ms: float
+    throughput_tok_s: float
+    goodput_tok_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    request_steps: int           # one verify/decode (or prefill) pass for one request
+    steps_with_drafts: int
+    drafted_tokens: int          # drafted tokens the target verified
+    accepted_tokens: int
+    target_steps: int            # batched forward passes, all target replicas
+    target_busy: float           # share of time the target replicas were stepping
+    draft_busy: float
+    rollbacks: int
+    cost_per_hour: float | None = None
+
+    @property
+    def coverage(self) -> float:
+        return self.steps_with_drafts / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """1 + accepted / steps with drafts, as /v1/spec/stats reports it."""
+        return 1.0 + self.accepted_tokens / self.steps_with_drafts if self.steps_with_drafts else 1.0
+
+    @property
+    def tokens_per_request_step(self) -> float:
+        return self.output_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def goodput_tokens_per_dollar(self) -> float | None:
+        if not self.cost_per_hour:
+            return None
+        return self.goodput_tok_s * 3600.0 / self.cost_per_hour
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "scenario"}
+        d["scenario"] = dataclasses.asdict(self.scenario)
+        d["mode"] = self.scenario.mode
+        for name in ("coverage", "acceptance_rate", "mean_accepted_length",
+                     "tokens_per_request_step", "goodput_tokens_per_dollar"):
+            d[name] = getattr(self, name)
+        return d
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens one verify step with K drafts emits on average: sum_{i=0..K} alpha^i."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99 with linear interpolation between order statistics."""
+    if not values:
+        return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
+    v = sorted(values)
+    out = {}
+    for q in (50, 90, 99):
+        pos = (len(v) - 1) * q / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(v) - 1)
+        out[f"p{q}"] = v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    return out
+
+
+# ---- the event model --------------------------------------------------------------------
+
+
+class _Run:
+    """One draft segment history since a rollback: its tokens' right/wrong flags
+    for output positions start, start+1, ...; only ever appended to."""
+
+    __slots__ = ("start", "flags", "first_wrong")
+
+    def __init__(self, start: int):
+        self.start = start
+        self.flags: list[bool] = []
+        self.first_wrong = math.inf  # index into flags of the first wrong token
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.flags)
+
+    def append(self, right: bool) -> None:
+        if not right and self.first_wrong == math.inf:
+            self.first_wrong = len(self.flags)
+        self.flags.append(right)
+
+    def agrees_before(self, pos: int) -> bool:
+        """Every token this run holds before output position `pos` is right."""
+        return self.first_wrong >= min(pos, self.end) - self.start
+
+
+class _Request:
+    __slots__ = ("id", "arrival", "target", "draft", "emitted", "first_token", "finish",
+                 "run", "known", "started", "prefilled", "needs_restart", "view", "inbox")
+
+    def __init__(self, rid: int, arrival: float):
+        self.id = rid
+        self.arrival = arrival
+        self.target = -1
+        self.draft = -1
+        self.emitted = 0            # verified output tokens (the target's history past the prompt)
+        self.first_token: float | None = None
+        self.finish: float | None = None
+        # draft side
+        self.run = _Run(0)
+        self.known = 0              # verified position the draft has heard of
+        self.started = False        # the draft has its Start
+        self.prefilled = False      # the draft has prefilled the prompt
+        self.needs_restart = True   # next draft step pays a (re)start
+        # target side: drafts received, as (arrival time, run, end), latest last
+        self.view: tuple[_Run, int] | None = None
+        self.inbox: deque = deque()
+
+
+_ARRIVE, _DRAFT_START, _DRAFT_END, _VERIFIED, _TARGET_START, _TARGET_END = range(6)
+
+
+class _Sim:
+    def __init__(self, profile: Profile, sc: Scenario):
+        self.p = profile
+        self.sc = sc
+        self.rng = random.Random(sc.seed)
+        self.now = 0.0
+        self.heap: list = []
+        self.seq = 0
+        self.requests: list[_Request] = []
+        self.done = 0
+        self.arrivals = 0  # arrivals scheduled so far
+        self.use_pool = sc.k > 0 and not sc.colocated and sc.drafts > 0
+        m = sc.targets
+        self.t_running: list[list[_Request]] = [[] for _ in range(m)]
+        self.t_waiting: list[deque] = [deque() for _ in range(m)]
+        self.t_busy = [False] * m
+        self.t_start_pending = [False] * m
+        n = sc.drafts if self.use_pool else 0
+        self.d_requests: list[list[_Request]] = [[] for _ in range(n)]
+        self.d_busy = [False] * n
+        # counters
+        self.request_steps = self.steps_with_drafts = self.drafted = self.accepted = 0
+        self.target_steps = self.rollbacks = 0
+        self.t_busy_ms = self.d_busy_ms = 0.0
+
+    # events: (time, priority, seq, kind, payload); a target step starts after
+    # everything else that happens at the same instant (drafts arriving just in time).
+    def push(self, t: float, kind: int, payload, priority: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, priority, self.seq, kind, payload))
+
+    def run(self) -> Result:
+        sc = self.sc
+        if sc.concurrency is not None:
+            for _ in range(min(sc.concurrency, sc.requests)):
+                self.push(0.0, _ARRIVE, None)
+                self.arrivals += 1
+        else:
+            t = 0.0
+            for _ in range(sc.requests):
+                self.push(t, _ARRIVE, None)
+                t += self.rng.expovariate(sc.rate_per_s / 1000.0)
+        handlers = {_ARRIVE: self.on_arrive, _DRAFT_START: self.on_draft_start,
+                    _DRAFT_END: self.on_draft_end, _VERIFIED: self.on_verified,
+                    _TARGET_START: self.on_target_start, _TARGET_END: self.on_target_end}
+        while self.heap:
+            self.now, _, _, kind, payload = heapq.heappop(self.heap)
+            handlers[kind](payload)
+        return self.result()
+
+    # ---- arrivals ----
+
+    def on_arrive(self, _payload) -> None:
+        r = _Request(len(self.requests), self.now)
+        self.requests.append(r)
+        # The router picks the least loaded target replica and draft replica.
+        r.target = min(range(self.sc.targets),
+                       key=lambda i: (len(self.t_running[i]) + len(self.t_waiting[i]), i))
+        self.t_waiting[r.target].append(r)
+        self.kick_target(r.target)
+        if self.use_pool:
+            for i, reqs in enumerate(self.d_requests):
+                self.d_requests[i] = [q for q in reqs if q.finish is None]
+            r.draft = min(range(len(self.d_requests)), key=lambda i: (len(self.d_requests[i]), i))
+            self.d_requests[r.draft].append(r)
+            self.push(self.now + self.sc.rtt_ms / 2, _DRAFT_START, r)
+
+    # ---- draft pool ----
+
+    def on_draft_start(self, r: _Request) -> None:
+        if r.finish is None:
+            r.started = True
+            self.kick_draft(r.draft)
+
+    def draft_active(self, r: _Request) -> bool:
+        return (r.started and r.finish is None and r.run.end - r.known < self.sc.lookahead
+                and r.run.end < self.sc.output_len)
+
+    def kick_draft(self, d: int) -> None:
+        if self.d_busy[d]:
+            return
+        batch = [r for r in self.d_requests[d] if self.draft_active(r)]
+        if not batch:
+            return
+        cost = self.p.draft
+        ms = cost.step(len(batch))
+        for r in batch:
+            if r.needs_restart:
+                # a new request prefills its prompt; a segment restart costs restart_ms
+                ms += (cost.restart_ms if r.prefilled
+                       else cost.prefill_ms_per_token * self.sc.prompt_len)
+                r.needs_restart = False
+                r.prefilled = True
+        self.d_busy[d] = True
+        self.d_busy_ms += ms
+        self.push(self.now + ms, _DRAFT_END, (d, [(r, r.run) for r in batch]))
+
+    def on_draft_end(self, payload) -> None:
+        d, batch = payload
+        half = self.sc.rtt_ms / 2
+        for r, run in batch:
+            if r.finish is not None or r.run is not run:
+                continue  # finished, or rolled back meanwhile: this token drafts a history left
+            run.append(self.rng.random() < self.sc.alpha)
+            if not run.agrees_before(r.known):
+                self.roll_back(r)  # a token the target had already decided otherwise
+                continue
+            if run.end > r.known:
+                r.inbox.append((self.now + half, run, run.end))
+            if run.end - r.known >= self.sc.lookahead:
+                r.needs_restart = True  # the segment stops at W ahead
+        self.d_requests[d] = [r for r in self.d_requests[d] if r.finish is None]
+        self.d_busy[d] = False
+        self.kick_draft(d)
+
+    def roll_back(self, r: _Request) -> None:
+        r.run = _Run(r.known)
+        r.needs_restart = True
+        self.rollbacks += 1
+
+    def on_verified(self, updates) -> None:
+        touched = set()
+        for r, v in updates:
+            if r.finish is not None or v <= r.known:
+                continue
+            r.known = v
+            if not r.run.agrees_before(v):
+                self.roll_back(r)
+            touched.add(r.draft)
+        for d in sorted(touched):
+            self.kick_draft(d)
+
+    # ---- target pool ----
+
+    def kick_target(self, t: int) -> None:
+        if not self.t_busy[t] and not self.t_start_pending[t]:
+            self.t_start_pending[t] = True
+            self.push(self.now, _TARGET_START, t, priority=1)
+
+    def proposals(self, r: _Request) -> list[bool]:
+        """Drafted tokens waiting at the target for r's next step (their flags)."""
+        sc = self.sc
+        # Never more drafts than the request has tokens left after this step's own.
+        room = min(sc.k, sc.output_len - r.emitted - 1)
+        if sc.colocated:
+            return [self.rng.random() < sc.alpha for _ in range(room)]
+        while r.inbox and r.inbox[0][0] <= self.now:
+            _, run, end = r.inbox.popleft()
+            r.view = (run, end)
+        if r.view is None:
+            return []
+        run, end = r.view
+        v = r.emitted
+        if run.start > v or end <= v or run.first_wrong < v - run.start:
+            return []  # nothing past v, or built on a history the target has left
+        i = v - run.start
+        return run.flags[i:i + min(room, end - v)]
+
+    def on_target_start(self, t: int) -> None:
+        self.t_start_pending[t] = False
+        if self.t_busy[t]:
+            return
+        sc, cost = self.sc, self.p.target
+        running, waiting = self.t_running[t], self.t_waiting[t]
+        if not running and not waiting:
+            return
+        decode = []
+        tokens = 0
+        for r in running:
+            flags = self.proposals(r) if sc.k > 0 else []
+            decode.append((r, flags))
+            tokens += 1 + len(flags)
+        new = []
+        while (waiting and len(running) + len(new) < cost.max_num_seqs
+               and (not new or (len(new) + 1) * sc.prompt_len <= cost.max_prefill_tokens)):
+            new.append(waiting.popleft())
+        ms = cost.step(tokens + len(new), len(decode) + len(new))
+        ms += cost.prefill_ms_per_token * sc.prompt_len * len(new)
+        if sc.k > 0 and decode:
+            if sc.colocated:
+                ms += sc.k * self.p.colocated_draft(len(decode))
+            else:
+                ms += cost.spec_overhead_ms
+        running.extend(new)
+        self.t_busy[t] = True
+        self.t_busy_ms += ms
+        self.target_steps += 1
+        self.push(self.now + ms, _TARGET_END, (t, decode, new))
+
+    def on_target_end(self, payload) -> None:
+        t, decode, new = payload
+        sc = self.sc
+        updates = []
+        for r in new:
+            r.emitted = 1
+            r.first_token = self.now
+            self.request_steps += 1
+            updates.append((r, r.emitted))
+        for r, flags in decode:
+            accepted = 0
+            while accepted < len(flags) and flags[accepted]:
+                accepted += 1
+            self.request_steps += 1
+            if flags:
+                self.steps_with_drafts += 1
+                self.drafted += len(flags)
+            self.accepted += accepted
+            r.emitted += accepted + 1
+            updates.append((r, r.emitted))
+        finished = [r for r, _ in updates if r.emitted >= sc.output_len]
+        for r in finished:
+            r.finish = self.now
+            self.done += 1
+        if finished:
+            self.t_running[t] = [r for r in self.t_running[t] if r.finish is None]
+        if self.use_pool:
+            self.push(self.now + sc.rtt_ms / 2, _VERIFIED, updates)
+        if sc.concurrency is not None:  # closed loop: each finished request is replaced
+            for _ in finished:
+                if self.arrivals < sc.requests:
+                    self.push(self.now, _ARRIVE, None)
+                    self.arrivals += 1
+        self.t_busy[t] = False
+        self.kick_target(t)
+
+    # ---- result ----
+
+    def result(self) -> Result:
+        sc = self.sc
+        reqs = self.requests
+        start = min(r.arrival for r in reqs)
+        makespan = max(r.finish for r in reqs) - start
+        ttft = [r.first_token - r.arrival for r in reqs]
+        tpot = [(r.finish - r.first_token) / (sc.output_len - 1) for r in reqs if sc.output_len > 1]
+        good = sum(sc.output_len for r in reqs
+                   if r.first_token - r.arrival <= sc.ttft_slo_ms
+                   and (sc.output_len == 1
+                        or (r.finish - r.first_token) / (sc.output_len - 1) <= sc.tpot_slo_ms))
+        out = sc.output_len * len(reqs)
+        sec = makespan / 1000.0 if makespan > 0 else math.inf
+        n_drafts = len(self.d_busy)
+        return Result(
+            scenario=sc, output_tokens=out, makespan_ms=makespan,
+            throughput_tok_s=out / sec, goodput_tok_s=good / sec,
+            ttft_ms=percentiles(ttft), tpot_ms=percentiles(tpot),
+            request_steps=self.request_steps, steps_with_drafts=self.steps_with_drafts,
+            drafted_tokens=self.drafted, accepted_tokens=self.accepted,
+            target_steps=self.target_steps,
+            target_busy=self.t_busy_ms / (makespan * sc.targets) if makespan else 0.0,
+            draft_busy=self.d_busy_ms / (makespan * n_drafts) if makespan and n_drafts else 0.0,
+            rollbacks=self.rollbacks,
+        )
+
+
+def simulate(profile: Profile, scenario: Scenario) -> Result:
+    """Run one scenario; deterministic for a given seed."""
+    scenario.check(profile)
+    return _Sim(profile, scenario).run()
+
+
+# ---- cost and sweeps ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """GPU prices in dollars per GPU-hour."""
+    target_gpu: float
+    draft_gpu: float
+
+
+def cost_per_hour(profile: Profile, sc: Scenario, prices: Prices) -> float:
+    c = sc.targets * profile.target.gpus * prices.target_gpu
+    if sc.k > 0 and not sc.colocated and sc.drafts > 0:
+        c += sc.drafts * profile.draft.gpus * prices.draft_gpu
+    return c
+
+
+def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
+          prices: Prices, colocated: bool = False) -> list[Result]:
+    """Every (drafts, K) pair (K = 0 once, with no drafts), plus the co-located
+    baseline at each K > 0 when asked; each result carries its cost per hour.
+    W is at least 2K (the product default) at each K.
+    Sorted best first by goodput per dollar (then throughput)."""
+    scenarios = []
+    for k in sorted(set(ks)):
+        if k == 0:
+            scenarios.append(dataclasses.replace(base, k=0, drafts=0, colocated=False))
+            continue
+        for n in sorted(set(drafts)):
+            if n > 0:
+                scenarios.append(dataclasses.replace(
+                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, 2 * k)))
+        if colocated:
+            scenarios.append(dataclasses.replace(base, k=k, drafts=0, colocated=True))
+    results = []
+    for sc in scenarios:
+        res = simulate(profile, sc)
+        res.cost_per_hour = cost_per_hour(profile, sc, prices)
+        results.append(res)
+    results.sort(key=lambda r: (-(r.goodput_tokens_per_dollar or 0.0), -r.throughput_tok_s))
+    return results
+
+
+def best(results: list[Result]) -> Result:
+    """The best by goodput per dollar (sweep() sorts so)."""
+    return results[0]
