@@ -60,17 +60,17 @@ def main(n: int) -> None:
             finally:
                 rc = server.stop()
                 print(f"{name}: server exit {rc}", file=sys.stderr)
-    pools = runs["draft"]["stats"].get("draft_models", {})
+    pools = runs["draft"]["stats"].get("draft_models", [])
     summary = {
         label: {"draft_tokens_per_s": round(runs["draft"][label]["tokens_per_s"], 1),
                 "target_only_tokens_per_s": round(runs["target_only"][label]["tokens_per_s"], 1),
                 "same_text": runs["draft"][label]["texts"] == runs["target_only"][label]["texts"]}
         for label in ("sequential", "concurrent")
     }
-    summary["draft_pools"] = {
-        name: {k: pool.get(k) for k in ("acceptance_rate", "mean_accepted_length", "coverage",
-                                        "k", "draft_tokens", "target_steps")}
-        for name, pool in pools.items()}
+    summary["draft_pools"] = [
+        {k: pool.get(k) for k in ("model", "acceptance_rate", "mean_accepted_length", "coverage",
+                                  "k", "draft_tokens", "target_steps")}
+        for pool in (pools.values() if isinstance(pools, dict) else pools)]
     summary["last_choice"] = runs["draft"]["stats"].get("last_choice")
     print(json.dumps(summary, indent=2))
 
