@@ -22,7 +22,11 @@ a and b are measured on the target (`specserve.adaptive.StepCostFit`, fed with
 vLLM's step timing). Before they are, the model stands in: one row, and a
 verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
 the target is memory-bound, 1 when it is saturated): a = 1 − v, b = v, which
-gives speedup = E(α, K) / (1 + v K) at full coverage.
+gives speedup = E(α, K) / (1 + v K) at full coverage. A measured b is never
+counted below V_IDLE of a one-row step (a + b): speculation has per-token work
+the target's step timing does not see (proposals through the sink, the draft
+pool's time, rejected tokens), so a draft that is almost never accepted does
+not get K > 0 just because the target verifies for free.
 
 choose_k picks the K in 0..k_max with the best rate, so K falls as acceptance,
 coverage or the margin of verification cost drop, reaching 0 (no speculation)
@@ -83,7 +87,8 @@ def speedup(alpha: float, k: int, load: float = 0.0, cost: StepCost | None = Non
     """rate(K) / rate(0), with the measured cost, or the modelled one for `load`."""
     if cost is None:
         cost, rows = modelled_cost(load), 1.0
-    a, b = cost.fixed, cost.per_token
+    # b >= V_IDLE · (a + b): a verified token costs at least V_IDLE of a one-row step
+    a, b = cost.fixed, max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
     return (predicted_rate(alpha, coverage, k, rows, a, b)
             / predicted_rate(alpha, coverage, 0, rows, a, b))
 

@@ -98,6 +98,13 @@ def test_measured_verify_cost_decides():
         assert rates[k] == pytest.approx(max(rates))
 
 
+def test_free_verification_is_floored_at_v_idle():
+    free = StepCost(0.025, 0.0)  # an emulated slow step: verifying costs nothing measurable
+    assert speedup(0.5, 2, cost=free) == pytest.approx(speedup(0.5, 2, load=0.0))
+    assert choose_k(0.04, 4, cost=free, coverage=0.9, margin=0.03) == 0
+    assert choose_k(0.95, 4, cost=free, coverage=0.9, margin=0.03) == 4
+
+
 def test_router_choice_uses_measured_cost_and_coverage_and_probes():
     cpu = StepCost(0.015, 0.004)
     default = PoolView("default", 5000, 0.30, 0.12, requests=100, inflight=0)
