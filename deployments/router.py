@@ -307,7 +307,7 @@ class Router:
             f = self.stats.by_model.get(name)
             views.append(policy.PoolView(
                 name=name, draft_tokens=f.draft_tokens if f else 0,
-                acceptance_rate=f.acceptance_rate if f else 0.0,
+                alpha=f.alpha if f else 0.0,
                 coverage=f.coverage if f else 0.0, requests=f.requests if f else 0,
                 inflight=self.inflight.get(name, 0), replicas=self.replicas.get(name, 1)))
         load = self.load()
@@ -323,8 +323,8 @@ class Router:
             k = policy.pool_k(v, self.k_max, load, cost, rows)
             self.stats.current_k[v.name] = k
             per_pool[v.name] = {
-                "k": k, "acceptance_rate": v.acceptance_rate, "coverage": v.coverage,
-                "predicted_speedup": policy.speedup(v.acceptance_rate, k, load, cost, rows,
+                "k": k, "alpha": v.alpha, "coverage": v.coverage,
+                "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows,
                                                     v.coverage)}
         self.k_inputs = {"step_cost": measured,
                          "cost_source": "measured" if cost is not None else "modelled",

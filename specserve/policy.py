@@ -111,7 +111,7 @@ class PoolView:
 
     name: str
     draft_tokens: int  # measured so far
-    acceptance_rate: float
+    alpha: float  # conditional acceptance (stats.Figures.alpha)
     coverage: float  # share of target steps that found this pool's drafts waiting
     requests: int  # routed so far
     inflight: int  # requests using it now
@@ -130,7 +130,7 @@ def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,
     and coverage against the target's step cost (measured, or modelled from load)."""
     if is_fresh(p):
         return k_max
-    return choose_k(p.acceptance_rate, k_max, load, cost, rows, p.coverage, MARGIN)
+    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, MARGIN)
 
 
 def describe_cost(cost: StepCost | None, load: float, rows: float) -> str:
@@ -168,7 +168,7 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
 
     def value(p: PoolView) -> tuple[float, int]:
         k = pool_k(p, k_max, load, cost, rows)
-        gain = speedup(p.acceptance_rate, k, load, cost, rows, p.coverage) - 1.0
+        gain = speedup(p.alpha, k, load, cost, rows, p.coverage) - 1.0
         busy = p.inflight / max(p.replicas, 1)
         return gain / (1.0 + 0.05 * busy), k
 
@@ -176,7 +176,7 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
     (score, k), best = scored[0]
     how = describe_cost(cost, load, rows)
     if k > 0:
-        return Choice(best.name, k, f"{best.name}: acceptance {best.acceptance_rate:.2f}, "
+        return Choice(best.name, k, f"{best.name}: alpha {best.alpha:.2f}, "
                       f"coverage {best.coverage:.2f}, {how} -> K={k}")
     if choose_k(1.0, k_max, load, cost, rows) == 0:
         return Choice(None, 0, f"target saturated ({how}): no speculation")

@@ -49,7 +49,7 @@ def test_the_better_pool_wins_and_a_bad_pool_gets_k_0():
     for turn in range(1, PROBE_EVERY):
         c = choose([bad, good], 4, 0.0, turn)
         assert c.pool == "good" and c.k > 0
-    assert choose_k(bad.acceptance_rate, 4, 0.0) == 0
+    assert choose_k(bad.alpha, 4, 0.0) == 0
 
 
 def test_low_acceptance_everywhere_serves_target_only_but_probes():

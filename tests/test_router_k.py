@@ -4,6 +4,8 @@ with a stand-in target handle: no Ray, no engine."""
 import asyncio
 import itertools
 
+import pytest
+
 from deployments.router import COST_REFRESH_S, Router
 from specserve import policy
 from specserve.stats import RequestRecord, SpecStats
@@ -45,11 +47,11 @@ def router(step_cost, k_max=4):
 
 
 def record(r, requests=8):
-    """Finished requests like the default draft's here: acceptance 0.33, coverage 0.12."""
-    for _ in range(requests):  # 100 steps, 12 with drafts, 16 of 48 drafted tokens accepted
+    """Finished requests like the default draft's here: alpha 0.29, coverage 0.12."""
+    for _ in range(requests):  # 200 steps, 24 with drafts, 10 of 96 drafted tokens accepted
         r.stats.record(RequestRecord(
             draft_model="smollm2-distill", draft_replica="d0", target_replica="t0", k=4,
-            output_tokens=100 + 16, draft_tokens=48, accepted_histogram=[4, 3, 3, 1, 1],
+            output_tokens=200 + 10, draft_tokens=96, accepted_histogram=[16, 6, 2, 0, 0],
             ttft_s=0.1, duration_s=2.0, finished_at=0.0))
 
 
@@ -66,6 +68,7 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         assert r.target.spec_totals.calls == 1  # cached for COST_REFRESH_S: one call
         assert r.k_inputs["cost_source"] == "measured" and r.k_inputs["step_cost"] == cpu
         pool = r.k_inputs["pools"]["smollm2-distill"]
+        assert pool["alpha"] == pytest.approx(10 / 34) and pool["coverage"] == pytest.approx(0.12)
         assert pool["k"] == 0 and r.stats.current_k["smollm2-distill"] == 0, (first, pool)
         # held at K=0, but probed at full K every PROBE_EVERY requests
         probes = [c for c in picks if c.pool is not None]
