@@ -82,6 +82,7 @@ class DraftFigures:
     steps: int = 0  # verify steps (= output tokens - accepted)
     steps_with_drafts: int = 0
     drafted: int = 0
+    trials: int = 0  # drafted positions whose predecessors were all accepted
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
@@ -90,10 +91,9 @@ class DraftFigures:
 
     @property
     def alpha(self) -> float:
-        """Conditional acceptance, assuming full windows (a short one only lowers it)."""
-        acc = self.accepted_per_position
-        trials = self.steps_with_drafts + sum(acc[:-1])
-        return sum(acc) / trials if trials else 0.0
+        """Conditional acceptance, assuming full windows of each request's K (a
+        short one only lowers it); the same figure as stats.Figures.alpha."""
+        return sum(self.accepted_per_position) / self.trials if self.trials else 0.0
 
 
 def accepted_positions(histogram: list[int]) -> list[int]:
@@ -118,10 +118,13 @@ class AdaptiveK:
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.costs.add(tokens, seconds)
 
-    def observe_request(self, output_tokens: int, histogram: list[int], drafted: int) -> None:
-        """A finished request that ran with K > 0 (histogram from vLLM)."""
+    def observe_request(self, output_tokens: int, histogram: list[int], drafted: int,
+                        k: int | None = None) -> None:
+        """A finished request that ran with K > 0 (histogram from vLLM; k: the
+        request's K, default the histogram's)."""
         if not histogram:
             return
+        k = len(histogram) - 1 if k is None else k
         d = self.draft
         acc = accepted_positions(histogram)
         if len(d.accepted_per_position) < len(acc):
@@ -131,6 +134,7 @@ class AdaptiveK:
         d.requests += 1
         d.steps += max(output_tokens - sum(acc), 0)
         d.steps_with_drafts += sum(histogram)
+        d.trials += sum(histogram) + sum(acc[:max(k, 1) - 1])
         d.drafted += drafted
 
     # ---- decision -------------------------------------------------------------------

@@ -111,3 +111,11 @@ def test_fit_reports_cost_and_decides_like_the_router_policy():
         for rows in (1, 4):
             assert ctl.choose(rows) == choose_k(ctl.draft.alpha, 4, cost=cost, rows=rows,
                                                 coverage=ctl.draft.coverage, margin=MARGIN)
+
+
+def test_alpha_counts_only_the_positions_each_request_drafted():
+    ctl = AdaptiveK(4)
+    ctl.observe_request(30, [4, 3, 2, 1, 0], 40)  # K=4: positions tried 10 + 6 + 3 + 1
+    assert ctl.draft.alpha == pytest.approx(10 / 20)
+    ctl.observe_request(20, [3, 2, 0, 0, 0], 5, k=1)  # K=1: only position 0, 5 times
+    assert ctl.draft.alpha == pytest.approx(12 / 25)
