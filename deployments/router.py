@@ -100,6 +100,9 @@ def _streaming_response(events, release):
     return response
 
 
+# How old the router's copy of the target's measured step cost may get.
+COST_REFRESH_S = 2.0
+
 # A request whose target replica dies before anything reached the client is
 # run again (Serve routes it to a live replica, or waits for the restarted one).
 TARGET_ATTEMPTS = 2
@@ -166,6 +169,12 @@ class Router:
                        **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
                           for d in self.config.drafts}}
         self._pools: tuple[float, list[dict]] = (0.0, [])
+        self.target_replicas = max(t.replicas.max_replicas, 1)
+        # The target's measured step cost (from spec_totals), refreshed in the
+        # background at most every COST_REFRESH_S: no remote call per request.
+        self._cost: tuple[float, dict | None] = (float("-inf"), None)
+        self._cost_task: asyncio.Task | None = None
+        self.k_inputs: dict = {}
 
     async def __call__(self, request):
         try:
@@ -184,6 +193,9 @@ class Router:
                 # vLLM's engine-wide counters of the target replica that answers,
                 # to cross-check the per-request attribution above.
                 snap["target_engine"] = await self.target.spec_totals.remote()
+                # What the K choice last used: the target's measured step cost
+                # (or the load model until it is measured), rows, per-pool K.
+                snap["k_choice"] = self.k_inputs
                 snap["pools"] = await self.pool_rows()
                 snap["autoscaling"] = await pools.fetch()
                 # Slots held right now: router requests in flight, and (from the
@@ -267,22 +279,58 @@ class Router:
         """Share of the target pool's sequence slots in use (0..1)."""
         return min(sum(self.inflight.values()) / self.capacity, 1.0)
 
+    def step_cost(self) -> dict | None:
+        """The target's measured decode step cost ({"fixed_s", "per_token_s", "steps"}
+        from spec_totals; None until measured), as last fetched. A fetch older than
+        COST_REFRESH_S starts a refresh in the background; this request does not wait."""
+        at, cost = self._cost
+        if (time.monotonic() - at >= COST_REFRESH_S
+                and (self._cost_task is None or self._cost_task.done())):
+            self._cost_task = asyncio.get_running_loop().create_task(self._refresh_cost())
+        return cost
+
+    async def _refresh_cost(self) -> None:
+        cost = self._cost[1]
+        try:
+            totals = await asyncio.wait_for(self.target.spec_totals.remote(), 10)
+            cost = totals.get("step_cost")
+        except Exception as e:  # the K choice falls back to the last figures
+            log.warning("target step cost unavailable: %s", e)
+        self._cost = (time.monotonic(), cost)
+
     def choose_draft(self) -> policy.Choice:
-        """Draft pool and K for the next request, from measured acceptance and load."""
+        """Draft pool and K for the next request, from measured acceptance,
+        coverage and the target's measured step cost (modelled from load until
+        the target has measured it)."""
         views = []
         for name in self.draft_names:
             f = self.stats.by_model.get(name)
             views.append(policy.PoolView(
                 name=name, draft_tokens=f.draft_tokens if f else 0,
-                acceptance_rate=f.acceptance_rate if f else 0.0,
+                alpha=f.alpha if f else 0.0,
                 coverage=f.coverage if f else 0.0, requests=f.requests if f else 0,
                 inflight=self.inflight.get(name, 0), replicas=self.replicas.get(name, 1)))
         load = self.load()
-        choice = policy.choose(views, self.k_max, load, next(self._turn))
+        measured = self.step_cost()
+        cost, rows = None, 1.0
+        if measured is not None:
+            cost = policy.StepCost(measured["fixed_s"], measured["per_token_s"])
+            # decode rows per target replica, this request included
+            rows = (sum(self.inflight.values()) + 1) / self.target_replicas
+        choice = policy.choose(views, self.k_max, load, next(self._turn), cost, rows)
+        per_pool = {}
         for v in views:  # the K each pool would get now (shown in the stats)
-            self.stats.current_k[v.name] = (
-                self.k_max if policy.is_fresh(v)
-                else policy.choose_k(v.acceptance_rate, self.k_max, load))
+            k = policy.pool_k(v, self.k_max, load, cost, rows)
+            self.stats.current_k[v.name] = k
+            per_pool[v.name] = {
+                "k": k, "alpha": v.alpha, "coverage": v.coverage,
+                "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows,
+                                                    v.coverage)}
+        self.k_inputs = {"step_cost": measured,
+                         "cost_source": "measured" if cost is not None else "modelled",
+                         "modelled_verify_cost": (None if cost is not None
+                                                  else policy.verify_cost(load)),
+                         "rows": rows, "load": load, "pools": per_pool}
         if self.last_choice is None or choice.reason != self.last_choice.reason:
             log.info("draft choice: %s", choice.reason)
         self.last_choice = choice

@@ -75,6 +75,12 @@ class TargetServer:
                 tls.read()  # a missing file fails here, with its path
                 os.environ.update(tls.to_env())
         factory, self.totals = spec_counter_factory()
+        # The target's measured decode step cost (a + b · tokens), the way
+        # LocalSpec measures it; the router's K choice reads it (spec_totals).
+        from specserve.adaptive import StepCostFit
+
+        self.step_costs = StepCostFit()
+        self.totals.step_observer = self.step_costs.add
         self.engine = AsyncLLM.from_engine_args(
             target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size, k=self.k),
             stat_loggers=[factory])
@@ -171,7 +177,10 @@ class TargetServer:
                 "accepted_tokens": t.accepted_tokens,
                 "accepted_per_position": list(t.accepted_per_position),
                 # requests the engine holds now (running or waiting)
-                "unfinished_requests": self.engine.get_num_unfinished_requests()}
+                "unfinished_requests": self.engine.get_num_unfinished_requests(),
+                "running": t.running,
+                # measured decode step cost, None until enough steps were seen
+                "step_cost": self.step_costs.as_dict()}
 
     async def draft_active(self) -> dict:
         """Requests each draft pool is drafting for now (from one replica of each)."""

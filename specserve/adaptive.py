@@ -5,21 +5,15 @@ Pure: fed with numbers, returns decisions; no engine, no clock. `LocalSpec`
 it for each new request's K and feeds it every engine step and every finished
 request.
 
-The model. A verify step over r decode rows, each with K drafted tokens, costs
+Owns the measurements: `StepCostFit`, the least-squares fit of the target's
+decode step seconds = a + b · tokens over its recent steps (the Serve target
+replica keeps one too and reports it to the router), and `DraftFigures`, α and
+coverage from vLLM's per-request figures. The model that turns them into K
+(predicted rate, speedup, choose_k with a margin) is `specserve.policy`'s, the
+same one the Serve router decides with. On a GPU b is tiny at low batch
+(verifying more tokens is nearly free); on these CPUs it is not.
 
-    step_seconds = a + b · tokens,   tokens = r · (1 + K)
-
-with a (fixed cost per step) and b (cost per processed token) fitted by least
-squares on the engine's recent decode steps (`StepCostFit`). On a GPU b is tiny at low
-batch (verifying more tokens is nearly free); on these CPUs it is not. A row
-with drafts waiting (share `coverage` of its steps) emits E(α, K) = (1 −
-α^(K+1)) / (1 − α) tokens, with α the measured conditional acceptance, so the
-engine's predicted output rate is
-
-    rate(K) = r · (1 + cov · (E(α, K) − 1)) / (a + b · r · (1 + cov · K))
-
-and K is the argmax over 0..K_max, speculating only when it beats K = 0 by a
-margin. Until the draft is measured, requests run at K_max; at K = 0 every
+Until the draft is measured, requests run at K_max; at K = 0 every
 `probe_every`-th request runs at K_max so that a better draft (or lighter load)
 is noticed. Draft quality that the draft does not show (it never drafts in
 time) is coverage 0: speculation cannot pay, K = 0.
@@ -30,12 +24,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from specserve.policy import expected_tokens
+from specserve.policy import MARGIN, StepCost, choose_k, speedup
 
 MIN_DRAFTED = 64  # drafted tokens before acceptance is trusted ...
 MIN_REQUESTS = 4  # ... or this many speculative requests finished
 MIN_STEPS = 16  # engine steps before the cost fit is trusted
-MARGIN = 0.03  # speculate only when predicted to be this much faster
 PROBE_EVERY = 16
 
 
@@ -55,18 +48,30 @@ class StepCostFit:
     def fit(self) -> tuple[float, float] | None:
         """(a, b) in seconds and seconds per token; None with too few points.
         With no spread in tokens, all cost is fixed (b = 0). Both are >= 0."""
-        n = len(self.points)
+        points = list(self.points)  # one copy: the engine's thread may append meanwhile
+        n = len(points)
         if n < MIN_STEPS:
             return None
-        mx = sum(x for x, _ in self.points) / n
-        my = sum(y for _, y in self.points) / n
-        sxx = sum((x - mx) ** 2 for x, _ in self.points)
+        mx = sum(x for x, _ in points) / n
+        my = sum(y for _, y in points) / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
         if sxx <= 1e-12:
             return my, 0.0
-        b = sum((x - mx) * (y - my) for x, y in self.points) / sxx
+        b = sum((x - mx) * (y - my) for x, y in points) / sxx
         b = max(b, 0.0)
         a = max(my - b * mx, 0.0)
         return a, b
+
+    def cost(self) -> StepCost | None:
+        fit = self.fit()
+        return StepCost(*fit) if fit is not None else None
+
+    def as_dict(self) -> dict | None:
+        """The fit as reported (None until MIN_STEPS steps were measured)."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        return {"fixed_s": fit[0], "per_token_s": fit[1], "steps": len(self.points)}
 
 
 @dataclasses.dataclass
@@ -77,6 +82,7 @@ class DraftFigures:
     steps: int = 0  # verify steps (= output tokens - accepted)
     steps_with_drafts: int = 0
     drafted: int = 0
+    trials: int = 0  # drafted positions whose predecessors were all accepted
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
@@ -85,10 +91,9 @@ class DraftFigures:
 
     @property
     def alpha(self) -> float:
-        """Conditional acceptance, assuming full windows (a short one only lowers it)."""
-        acc = self.accepted_per_position
-        trials = self.steps_with_drafts + sum(acc[:-1])
-        return sum(acc) / trials if trials else 0.0
+        """Conditional acceptance, assuming full windows of each request's K (a
+        short one only lowers it); the same figure as stats.Figures.alpha."""
+        return sum(self.accepted_per_position) / self.trials if self.trials else 0.0
 
 
 def accepted_positions(histogram: list[int]) -> list[int]:
@@ -96,13 +101,6 @@ def accepted_positions(histogram: list[int]) -> list[int]:
     accepted count per position (position i accepted in steps with j > i)."""
     k = len(histogram) - 1
     return [sum(histogram[i + 1:]) for i in range(k)]
-
-
-def predicted_rate(alpha: float, coverage: float, k: int, rows: float, a: float,
-                   b: float) -> float:
-    """Output tokens per second of the engine with r rows speculating K."""
-    tokens = rows * (1.0 + coverage * (expected_tokens(alpha, k) - 1.0))
-    return tokens / (a + b * rows * (1.0 + coverage * k))
 
 
 class AdaptiveK:
@@ -120,10 +118,13 @@ class AdaptiveK:
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.costs.add(tokens, seconds)
 
-    def observe_request(self, output_tokens: int, histogram: list[int], drafted: int) -> None:
-        """A finished request that ran with K > 0 (histogram from vLLM)."""
+    def observe_request(self, output_tokens: int, histogram: list[int], drafted: int,
+                        k: int | None = None) -> None:
+        """A finished request that ran with K > 0 (histogram from vLLM; k: the
+        request's K, default the histogram's)."""
         if not histogram:
             return
+        k = len(histogram) - 1 if k is None else k
         d = self.draft
         acc = accepted_positions(histogram)
         if len(d.accepted_per_position) < len(acc):
@@ -133,6 +134,7 @@ class AdaptiveK:
         d.requests += 1
         d.steps += max(output_tokens - sum(acc), 0)
         d.steps_with_drafts += sum(histogram)
+        d.trials += sum(histogram) + sum(acc[:max(k, 1) - 1])
         d.drafted += drafted
 
     # ---- decision -------------------------------------------------------------------
@@ -153,18 +155,14 @@ class AdaptiveK:
         fit = self.costs.fit()
         if fit is None:
             return self.k_max, "measuring step costs"
-        a, b = fit
+        cost = StepCost(*fit)
         alpha, cov = d.alpha, d.coverage
-        base = predicted_rate(alpha, cov, 0, rows, a, b)
-        best_k, best = 0, base
-        for k in range(1, self.k_max + 1):
-            r = predicted_rate(alpha, cov, k, rows, a, b)
-            if r > best:
-                best_k, best = k, r
-        why = (f"alpha {alpha:.2f}, coverage {cov:.2f}, step {a * 1e3:.1f} ms + "
-               f"{b * 1e3:.2f} ms/token, {rows} rows")
-        if best_k > 0 and best >= base * (1.0 + MARGIN):
-            return best_k, f"{why} -> K={best_k} (x{best / base:.2f})"
+        best_k = choose_k(alpha, self.k_max, cost=cost, rows=rows, coverage=cov, margin=MARGIN)
+        why = (f"alpha {alpha:.2f}, coverage {cov:.2f}, step {cost.fixed * 1e3:.1f} ms + "
+               f"{cost.per_token * 1e3:.2f} ms/token, {rows} rows")
+        if best_k > 0:
+            x = speedup(alpha, best_k, cost=cost, rows=rows, coverage=cov)
+            return best_k, f"{why} -> K={best_k} (x{x:.2f})"
         if self.turn % self.probe_every == 0:
             return self.k_max, f"{why} -> probing K={self.k_max}"
         return 0, f"{why} -> K=0 (speculation does not pay)"

@@ -321,7 +321,8 @@ class LocalSpec:
         o = final.outputs[0]
         m = getattr(o, "spec_decode_metrics", None)
         if self.adaptive is not None and drafting and m is not None:
-            self.adaptive.observe_request(len(o.token_ids), list(m.histogram), m.num_draft_tokens)
+            self.adaptive.observe_request(len(o.token_ids), list(m.histogram),
+                                          m.num_draft_tokens, k)
         return list(o.token_ids)
 
     async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int,

@@ -13,6 +13,12 @@ Vocabulary, per request:
   steps_with_drafts  steps that verified at least one drafted token
   coverage           steps_with_drafts / steps: how often drafts were waiting
   mean accepted length  1 + accepted / steps_with_drafts (tokens per verify step)
+  alpha              conditional acceptance: accepted drafted tokens / drafted
+                     positions whose predecessors were all accepted (position 0
+                     of every step with drafts, position i of the steps that
+                     accepted i, up to the request's K): the α of E(α, K) in
+                     specserve/policy.py; acceptance_rate = accepted / drafted
+                     is lower for K > 1 (positions after a rejection count)
 
 PromQL over the exported counters (rates over 5 minutes):
   acceptance rate:  rate(specserve_accepted_tokens_total[5m])
@@ -74,6 +80,7 @@ class Figures:
     accepted_tokens: int = 0
     steps: int = 0
     steps_with_drafts: int = 0
+    alpha_trials: int = 0  # drafted positions whose predecessors were all accepted
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, r: RequestRecord, k: int) -> None:
@@ -84,6 +91,8 @@ class Figures:
         self.steps += r.steps
         self.steps_with_drafts += r.steps_with_drafts
         per = r.accepted_per_position(k)
+        # full windows of the request's own K assumed (a short one only lowers alpha)
+        self.alpha_trials += r.steps_with_drafts + sum(per[:max(r.k, 1) - 1])
         if len(self.accepted_per_position) < len(per):
             self.accepted_per_position += [0] * (len(per) - len(self.accepted_per_position))
         for i, v in enumerate(per):
@@ -98,6 +107,10 @@ class Figures:
         return self.steps_with_drafts / self.steps if self.steps else 0.0
 
     @property
+    def alpha(self) -> float:
+        return self.accepted_tokens / self.alpha_trials if self.alpha_trials else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         return 1.0 + (self.accepted_tokens / self.steps_with_drafts
                       if self.steps_with_drafts else 0.0)
@@ -106,7 +119,7 @@ class Figures:
         return {
             "requests": self.requests, "output_tokens": self.output_tokens,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.acceptance_rate,
+            "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
             "accepted_per_position": list(self.accepted_per_position),
             "mean_accepted_length": self.mean_accepted_length,
             "target_steps": self.steps, "steps_with_drafts": self.steps_with_drafts,

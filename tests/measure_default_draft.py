@@ -1,11 +1,15 @@
 """Serving with the default draft against target-only, on this machine (a measurement,
-not a test): `PYTHONPATH=. .venv/bin/python tests/measure_default_draft.py [N]`.
+not a test): `PYTHONPATH=. .venv/bin/python tests/measure_default_draft.py [N] [--dtype DTYPE]`.
 
 Starts `specserve serve` twice with the embedded default config: as shipped
 (the distilled default draft) and with `--draft none`. Sends the same N
 held-out chat prompts (greedy, 96 tokens) one at a time, then all at once;
 prints output tokens/s of each, whether the texts are equal, and the
-router's acceptance figures and chosen K for the draft pool.
+router's acceptance figures, chosen K and the figures the choice used
+(`k_choice`) for the draft pool. `differences` lists, per pair of runs, the
+prompts whose texts differ (index: first differing character), also between
+one-at-a-time and all-at-once within one server (batch-shape numerics).
+--dtype sets both engines' dtype (default: the config's, auto = bf16 on CPU).
 """
 
 from __future__ import annotations
@@ -49,12 +53,34 @@ def measure(server: ServeProcess, prompts: list[str]) -> dict:
     return result
 
 
-def main(n: int) -> None:
+def config_with_dtype(dtype: str | None) -> dict | None:
+    """The embedded default config with both engines' dtype set (None: as is)."""
+    if dtype is None:
+        return None
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster/default.yaml")
+                         .read_text())
+    for engine in [cfg["target"]["engine"]] + [d["engine"] for d in cfg["drafts"]]:
+        engine["dtype"] = dtype
+    return cfg
+
+
+def differences(a: list[str], b: list[str]) -> dict[int, int]:
+    """{prompt index: first differing character} for texts that differ."""
+    out = {}
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            out[i] = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return out
+
+
+def main(n: int, dtype: str | None = None) -> None:
     prompts = eval_prompts(48)[-n:]  # held-out topics, never trained on
     runs = {}
     for name, extra in (("draft", []), ("target_only", ["--draft", "none"])):
         with tempfile.TemporaryDirectory() as tmp:
-            server = ServeProcess(None, Path(tmp), extra_args=extra)
+            server = ServeProcess(config_with_dtype(dtype), Path(tmp), extra_args=extra)
             try:
                 runs[name] = measure(server, prompts)
             finally:
@@ -72,8 +98,24 @@ def main(n: int) -> None:
                                   "k", "draft_tokens", "target_steps")}
         for pool in (pools.values() if isinstance(pools, dict) else pools)]
     summary["last_choice"] = runs["draft"]["stats"].get("last_choice")
+    summary["k_choice"] = runs["draft"]["stats"].get("k_choice")
+    summary["dtype"] = dtype or "config (auto)"
+    texts = {f"{name}/{label}": runs[name][label]["texts"]
+             for name in ("draft", "target_only") for label in ("sequential", "concurrent")}
+    summary["differences"] = {
+        f"{x} vs {y}": differences(texts[x], texts[y])
+        for x, y in (("target_only/sequential", "target_only/concurrent"),
+                     ("draft/sequential", "target_only/sequential"),
+                     ("draft/concurrent", "target_only/concurrent"),
+                     ("draft/concurrent", "target_only/sequential"))}
     print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int, nargs="?", default=8)
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
+    args = ap.parse_args()
+    main(args.n, args.dtype)

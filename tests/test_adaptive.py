@@ -3,8 +3,9 @@
 import pytest
 
 from specserve.adaptive import (
-    MIN_STEPS, AdaptiveK, StepCostFit, accepted_positions, predicted_rate,
+    MIN_STEPS, AdaptiveK, StepCostFit, accepted_positions,
 )
+from specserve.policy import MARGIN, StepCost, choose_k, predicted_rate
 
 
 def feed_costs(ctl, a, b, rows=(1, 2, 4, 8), k=4):
@@ -90,3 +91,31 @@ def test_draft_that_never_arrives_is_not_used():
     for _ in range(8):  # requests ran at K=4, but no step found drafts
         ctl.observe_request(50, [0, 0, 0, 0, 0], 0)
     assert ctl.draft.coverage == 0.0 and ctl.choose(1) == 0
+
+
+def test_fit_reports_cost_and_decides_like_the_router_policy():
+    f = StepCostFit()
+    assert f.cost() is None and f.as_dict() is None
+    for _ in range(MIN_STEPS):
+        for tokens in (1, 5, 9):
+            f.add(tokens, 0.004 + 0.002 * tokens)
+    cost = f.cost()
+    assert cost == StepCost(pytest.approx(0.004), pytest.approx(0.002))
+    assert f.as_dict() == {"fixed_s": pytest.approx(0.004), "per_token_s": pytest.approx(0.002),
+                           "steps": 3 * MIN_STEPS}
+    # One model: AdaptiveK's K is policy.choose_k's for the same figures.
+    for alpha in (0.3, 0.6, 0.9):
+        ctl = AdaptiveK(4, probe_every=1000)
+        ctl.costs = f
+        feed_draft(ctl, alpha=alpha)
+        for rows in (1, 4):
+            assert ctl.choose(rows) == choose_k(ctl.draft.alpha, 4, cost=cost, rows=rows,
+                                                coverage=ctl.draft.coverage, margin=MARGIN)
+
+
+def test_alpha_counts_only_the_positions_each_request_drafted():
+    ctl = AdaptiveK(4)
+    ctl.observe_request(30, [4, 3, 2, 1, 0], 40)  # K=4: positions tried 10 + 6 + 3 + 1
+    assert ctl.draft.alpha == pytest.approx(10 / 20)
+    ctl.observe_request(20, [3, 2, 0, 0, 0], 5, k=1)  # K=1: only position 0, 5 times
+    assert ctl.draft.alpha == pytest.approx(12 / 25)

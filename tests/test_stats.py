@@ -1,5 +1,7 @@
 """The acceptance arithmetic alone (specserve.stats)."""
 
+import pytest
+
 from specserve.stats import RequestRecord, SpecStats, prometheus_text
 
 
@@ -67,3 +69,16 @@ def test_goodput_target_live_figures_and_draft_lag():
     assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
     assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
     assert "specserve_goodput_tokens_per_second" in text
+
+
+def test_alpha_is_conditional_acceptance_up_to_each_requests_k():
+    from specserve.stats import Figures
+
+    f = Figures()
+    # K=4: 10 steps with drafts; positions tried 10 + 6 + 3 + 1, accepted 6 + 3 + 1 + 0
+    f.add(RequestRecord(None, None, "t", 4, 30, 40, [4, 3, 2, 1, 0], 0.1, 1.0, 0.0), 4)
+    assert f.alpha == pytest.approx(10 / 20) and f.acceptance_rate == pytest.approx(10 / 40)
+    # K=1 (a window of one): only position 0 is tried, 5 times, 2 accepted
+    f.add(RequestRecord(None, None, "t", 1, 20, 5, [3, 2, 0, 0, 0], 0.1, 1.0, 0.0), 4)
+    assert f.alpha == pytest.approx(12 / 25)
+    assert f.as_dict()["alpha"] == f.alpha
