@@ -42,7 +42,7 @@ test-fast: install
 # loopback; prints each process's memory at start and end (`make test` runs a
 # 20 s, 8-client form).
 soak: install
-	SPECSERVE_SOAK_SECONDS=120 SPECSERVE_SOAK_CLIENTS=16 $(PY) -m pytest -s -q tests/test_reliability.py -k soak $(PYTEST_ARGS)
+	SPECSERVE_SOAK_SECONDS=120 SPECSERVE_SOAK_CLIENTS=16 $(PY) -m pytest -s -q tests/deployments/test_reliability.py -k soak $(PYTEST_ARGS)
 
 # The Ray Serve app on the embedded CPU default (cluster/default.yaml), on
 # http://127.0.0.1:8000 until Ctrl-C. Pass a config: make serve CONFIG=my.yaml
@@ -70,7 +70,7 @@ proto: install
 # Regenerate the Helm chart's values schema from the config model (a test
 # checks the checked-in helm/specserve/values.schema.json matches).
 helm-schema: install
-	$(PY) -m specserve.chart
+	$(PY) -m specserve.tools.chart
 
 # One-shot GPU check (docs/gpu-check.md): on a GPU box with vllm==0.32.0 (GPU build)
 # preinstalled, no network. Installs nothing from the internet: wheels carried in
@@ -82,11 +82,11 @@ gpu-check:
 	@$(GPU_PYTHON) -c "import grpc, google.protobuf; import sys; sys.path.insert(0, '.'); import specserve.v1.spec_pb2_grpc" 2>/dev/null \
 	  || { test -d gpu-wheels || { echo "gpu-check: grpcio/protobuf missing or too old and no gpu-wheels/ here; run 'make gpu-wheels' on a networked machine and carry the folder in" >&2; exit 3; }; \
 	       $(GPU_PYTHON) -m pip install --no-index --find-links gpu-wheels --target .gpu-site grpcio protobuf; }
-	PYTHONPATH=$(CURDIR):$(CURDIR)/.gpu-site timeout 840 $(GPU_PYTHON) -m specserve.gpucheck --preset gpu --out $(GPU_CHECK_OUT)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/.gpu-site timeout 840 $(GPU_PYTHON) -m specserve.tools.gpucheck --preset gpu --out $(GPU_CHECK_OUT)
 
 # The same check in a CPU-sized form (what tests/test_gpucheck.py runs in `make test`).
 gpu-check-tiny: install
-	PYTHONPATH=$(CURDIR) $(PY) -m specserve.gpucheck --preset tiny --out $(GPU_CHECK_OUT)-tiny
+	PYTHONPATH=$(CURDIR) $(PY) -m specserve.tools.gpucheck --preset tiny --out $(GPU_CHECK_OUT)-tiny
 
 # Wheels to carry to an offline GPU box (GPU_PY_VERSION: its Python, e.g. 3.12).
 GPU_PY_VERSION ?= 3.12

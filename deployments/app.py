@@ -15,7 +15,7 @@ from deployments.target import TargetServer
 
 
 def _scaling(r: Autoscaling, policy: str) -> dict:
-    """Fixed replicas, or autoscaling with specserve's policy (specserve.autoscale)."""
+    """Fixed replicas, or autoscaling with specserve's policy (specserve.control.autoscale)."""
     if r.min_replicas == r.max_replicas:
         return {"num_replicas": r.max_replicas}
     return {"autoscaling_config": {
@@ -24,7 +24,7 @@ def _scaling(r: Autoscaling, policy: str) -> dict:
         "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
         # Replicas sample record_autoscaling_stats every look_back/5 seconds.
         "look_back_period_s": 10,
-        "policy": {"policy_function": f"specserve.autoscale:{policy}"},
+        "policy": {"policy_function": f"specserve.control.autoscale:{policy}"},
     }}
 
 

@@ -30,7 +30,7 @@ class DraftServer:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from specserve.draft.runner import DraftRunner, VllmDraftModel
-        from specserve.engine import (
+        from specserve.target.engine import (
             apply_cpu_env,
             cpu_binding,
             draft_engine_args,
@@ -79,7 +79,7 @@ class DraftServer:
         return self.runner.active()
 
     def record_autoscaling_stats(self) -> dict:
-        """Figures for specserve.autoscale.draft_policy (Serve calls this)."""
+        """Figures for specserve.control.autoscale.draft_policy (Serve calls this)."""
         coverage, lag = self.runner.timeliness()
         return {"coverage": coverage, "lag": lag, "active": float(self.runner.active())}
 

@@ -18,9 +18,10 @@ import time
 import uuid
 
 from specserve import openai_api as api
-from specserve import policy, pools
+from specserve.control import policy
+from specserve.control import pools
 from specserve.config import AppConfig
-from specserve.stats import RequestRecord, SpecStats, prometheus_text
+from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
 
 log = logging.getLogger("specserve.router")
 

@@ -42,7 +42,7 @@ class TargetServer:
     def __init__(self, config: dict, drafts: dict | None = None):
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from specserve.engine import (
+        from specserve.target.engine import (
             apply_cpu_env,
             cpu_binding,
             settings_from,
@@ -50,7 +50,7 @@ class TargetServer:
             target_engine_args,
         )
         from specserve.models import ensure_default_model
-        from specserve.proposer import ENV_ADDRESS, ENV_PORT_FILE
+        from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
 
         self.config = AppConfig.model_validate(config)
         logs.to_stderr("target")
@@ -77,7 +77,7 @@ class TargetServer:
         factory, self.totals = spec_counter_factory()
         # The target's measured decode step cost (a + b · tokens), the way
         # LocalSpec measures it; the router's K choice reads it (spec_totals).
-        from specserve.adaptive import StepCostFit
+        from specserve.control.controller import StepCostFit
 
         self.step_costs = StepCostFit()
         self.totals.step_observer = self.step_costs.add
@@ -167,7 +167,7 @@ class TargetServer:
         return call, asyncio.get_running_loop().create_task(follow()), who
 
     def record_autoscaling_stats(self) -> dict:
-        """Figures for specserve.autoscale.target_policy (Serve calls this)."""
+        """Figures for specserve.control.autoscale.target_policy (Serve calls this)."""
         max_seqs = self.config.target.engine.max_num_seqs
         return {"load": self.totals.running / max_seqs, "waiting": float(self.totals.waiting)}
 

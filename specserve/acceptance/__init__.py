@@ -1,0 +1,1 @@
+"""The acceptance record: vLLM's per-request spec-decode figures, every figure derived from them, and their exporters."""

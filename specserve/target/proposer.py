@@ -1,0 +1,110 @@
+"""RemoteDraftProposer: vLLM's `custom_class` proposer that serves remote drafts.
+
+The target engine is built with
+    speculative_config={"method": "custom_class",
+                        "model": "specserve.target.proposer.RemoteDraftProposer",
+                        "num_speculative_tokens": K}
+and vLLM instantiates this class in every worker. In TP rank 0 `load_model`
+starts the draft sink (gRPC) on SPECSERVE_SINK_ADDRESS; other ranks propose
+nothing (vLLM uses rank 0's drafts). `propose` runs inside the engine step: it
+only reads what the sink has buffered and returns at once.
+
+Configuration comes from environment variables because the engine builds this
+class itself, in its own worker processes (which inherit the environment):
+  SPECSERVE_SINK_ADDRESS     host:port for the sink (required to serve drafts)
+  SPECSERVE_SINK_PORT_FILE   if set, the bound port is written there
+  SPECSERVE_SINK_MAX_PENDING drafted tokens buffered per request (default 64)
+  SPECSERVE_SINK_TLS_{CA,CERT,KEY}  mutual TLS on the sink (see specserve/tls.py)
+  SPECSERVE_EMULATE_TARGET_STEP_MS  tests only: add this much time to every
+                             target step, to emulate a target that is slower
+                             than its draft (as on real hardware, where the
+                             target is many times the draft's size). Never set
+                             it in production: it slows the target on purpose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from specserve import logs
+from specserve.target.sink import DraftSink
+
+log = logging.getLogger(__name__)
+
+ENV_ADDRESS = "SPECSERVE_SINK_ADDRESS"
+ENV_PORT_FILE = "SPECSERVE_SINK_PORT_FILE"
+ENV_MAX_PENDING = "SPECSERVE_SINK_MAX_PENDING"
+ENV_EMULATE_STEP_MS = "SPECSERVE_EMULATE_TARGET_STEP_MS"
+
+CLASS_PATH = "specserve.target.proposer.RemoteDraftProposer"
+
+
+def speculative_config(k: int) -> dict:
+    """The vLLM speculative_config that plugs this proposer in."""
+    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": k}
+
+
+class RemoteDraftProposer:
+    def __init__(self, vllm_config):
+        from specserve.target import vllm_fixes
+
+        vllm_fixes.apply()  # before the first verification step
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.sink: DraftSink | None = None
+        self.emulated_step_s = float(os.environ.get(ENV_EMULATE_STEP_MS, "0")) / 1000.0
+
+    def load_model(self, *args, **kwargs) -> None:
+        # vLLM calls this once per worker after the target model is loaded.
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != 0:
+            return
+        logs.to_stderr("sink")
+        address = os.environ.get(ENV_ADDRESS)
+        if not address:
+            log.warning("%s is not set: the target runs without remote drafts", ENV_ADDRESS)
+            return
+        max_pending = int(os.environ.get(ENV_MAX_PENDING, "64"))
+        sink = DraftSink(
+            self.vocab_size,
+            max_pending=max(max_pending, self.k),
+            max_prompt_len=self.max_model_len,
+        )
+        from specserve.tls import TlsFiles
+
+        port = sink.start(address, tls=TlsFiles.from_env())
+        port_file = os.environ.get(ENV_PORT_FILE)
+        if port_file:
+            tmp = f"{port_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(port))
+            os.replace(tmp, port_file)
+        self.sink = sink
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec,
+        token_ids_cpu,
+        slot_mappings=None,
+    ) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        if self.sink is None:
+            return [[] for _ in range(n)]
+        if self.emulated_step_s > 0:
+            time.sleep(self.emulated_step_s)  # tests only: a bigger target's forward pass
+        # Views, not copies: row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]].
+        histories = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
+        active = [bool(s) for s in sampled_token_ids]
+        # Never draft past the context: vLLM would refuse the positions.
+        k = self.k
+        proposals = self.sink.propose(histories, active, k)
+        for i, p in enumerate(proposals):
+            room = self.max_model_len - len(histories[i]) - 1
+            if len(p) > room:
+                proposals[i] = p[: max(room, 0)]
+        return proposals

@@ -1,0 +1,1 @@
+"""Tools apart from the serving path: bench, simulator, distillation, GPU check, measurements, chart schema."""

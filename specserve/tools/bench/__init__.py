@@ -1,0 +1,1 @@
+"""`specserve bench`: target-only, vLLM's draft_model and specserve side by side."""

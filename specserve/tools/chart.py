@@ -1,0 +1,157 @@
+"""The Helm chart's values schema (helm/specserve/values.schema.json), generated.
+
+Owns one pure function, `values_schema()`: the JSON schema of the chart's
+values. Its `specserve` key is AppConfig's own schema (pydantic), so Helm
+rejects at install time what `specserve serve` would reject at load time
+(unknown keys, wrong types, out-of-range numbers; cross-field rules such as
+min <= max replicas are checked by AppConfig when the app starts). The other
+keys describe the Kubernetes side of the chart (image, head and worker groups,
+Service, monitoring, Grafana dashboard).
+
+`make helm-schema` (python -m specserve.tools.chart) writes the file; a test checks
+the checked-in file equals what this generates.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specserve.config import AppConfig
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "specserve" / "values.schema.json"
+
+
+def _obj(properties: dict, description: str, required: list[str] | None = None) -> dict:
+    out = {"type": "object", "description": description, "properties": properties,
+           "additionalProperties": False}
+    if required:
+        out["required"] = required
+    return out
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}], "description": schema.pop("description", "")}
+
+
+_MAP_OF_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+_RESOURCES = {
+    "type": "object",
+    "description": "Kubernetes container resources (requests, limits). For worker groups, "
+                   "nvidia.com/gpu is added to limits from `gpus`.",
+    "properties": {
+        "requests": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+        "limits": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+    },
+    "additionalProperties": False,
+}
+
+
+def _pod_settings(what: str) -> dict:
+    return {
+        "rayStartParams": {"type": "object", "description": f"Extra `ray start` flags of the {what} "
+                           "(values are passed as strings).",
+                           "additionalProperties": {"type": ["string", "number", "boolean"]}},
+        "resources": _RESOURCES,
+        "nodeSelector": {**_MAP_OF_STRINGS, "description": f"Node labels the {what} pods need, "
+                         "e.g. the GPU type (cloud.google.com/gke-accelerator: nvidia-h100-80gb)."},
+        "tolerations": {"type": "array", "items": {"type": "object"},
+                        "description": f"Tolerations of the {what} pods (e.g. for GPU taints)."},
+        "affinity": {"type": "object", "description": f"Affinity of the {what} pods."},
+        "env": {"type": "array", "items": {"type": "object"},
+                "description": f"Extra container environment variables of the {what} "
+                               "(Kubernetes EnvVar objects)."},
+        "volumes": {"type": "array", "items": {"type": "object"},
+                    "description": f"Extra volumes of the {what} pods (e.g. the models)."},
+        "volumeMounts": {"type": "array", "items": {"type": "object"},
+                         "description": "Where the container mounts them."},
+    }
+
+
+def _worker_group(what: str, gpus: str, bounds: str) -> dict:
+    return _obj({
+        "gpus": _nullable({"type": "integer", "minimum": 0,
+                           "description": f"nvidia.com/gpu per pod. Null: {gpus}."}),
+        "minReplicas": _nullable({"type": "integer", "minimum": 0,
+                                  "description": f"Fewest pods. Null: {bounds} min_replicas."}),
+        "maxReplicas": _nullable({"type": "integer", "minimum": 0,
+                                  "description": f"Most pods. Null: {bounds} max_replicas."}),
+        "image": _nullable({"type": "string", "description": "Image of this group. "
+                                                             "Null: image.repository:tag."}),
+        **_pod_settings(what),
+    }, f"The {what} worker group: one pod per replica.")
+
+
+def values_schema() -> dict:
+    app = AppConfig.model_json_schema(mode="validation")
+    defs = app.pop("$defs", {})
+    app["description"] = ("The specserve application config (AppConfig, as in cluster/*.yaml), "
+                          "rendered into the RayService's serveConfigV2.")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "specserve Helm chart values",
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["specserve"],
+        "properties": {
+            "specserve": app,
+            "image": _obj({
+                "repository": {"type": "string", "minLength": 1},
+                "tag": {"type": "string", "description": "Empty: the chart's appVersion."},
+                "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+            }, "The image of every Ray pod: Ray with specserve installed.", ["repository"]),
+            "imagePullSecrets": {"type": "array", "items": {"type": "object"}},
+            "rayVersion": {"type": "string", "description": "Ray version of the image."},
+            "autoscaler": _obj({
+                "enabled": {"type": "boolean"},
+                "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
+                "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+            }, "KubeRay's in-tree autoscaler (adds and removes worker pods)."),
+            "head": _obj({
+                **_pod_settings("head"),
+                "labels": _MAP_OF_STRINGS, "annotations": _MAP_OF_STRINGS,
+            }, "The Ray head pod (GCS, dashboard, Serve controller, router)."),
+            "workerGroups": _obj({
+                "target": _worker_group("target", "tensor_parallel_size x gpus_per_worker",
+                                        "specserve.target.replicas"),
+                "draft": _worker_group("draft", "the largest drafts[].resources.gpus_per_worker, "
+                                       "rounded up", "the sum of drafts[].replicas"),
+            }, "Worker groups of the Ray cluster.", ["target", "draft"]),
+            "service": _obj({
+                "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                "annotations": _MAP_OF_STRINGS,
+            }, "The Service in front of Serve's HTTP proxies."),
+            "monitoring": _obj({
+                "serviceMonitor": _obj({
+                    "enabled": {"type": "boolean"},
+                    "interval": {"type": "string"},
+                    "labels": _MAP_OF_STRINGS,
+                    "bearerTokenSecret": _nullable(_obj({
+                        "name": {"type": "string", "minLength": 1},
+                        "key": {"type": "string", "minLength": 1},
+                    }, "Secret key holding specserve.http.api_key.", ["name", "key"])),
+                }, "A ServiceMonitor for the router's /metrics."),
+                "podMonitor": _obj({
+                    "enabled": {"type": "boolean"},
+                    "interval": {"type": "string"},
+                    "labels": _MAP_OF_STRINGS,
+                }, "A PodMonitor for Ray's metrics agents."),
+            }, "Prometheus Operator monitors."),
+            "grafanaDashboard": _obj({
+                "enabled": {"type": "boolean"},
+                "labels": _MAP_OF_STRINGS,
+                "annotations": _MAP_OF_STRINGS,
+            }, "The Grafana dashboard ConfigMap."),
+        },
+        "$defs": defs,
+    }
+
+
+def render() -> str:
+    return json.dumps(values_schema(), indent=2, sort_keys=False) + "\n"
+
+
+if __name__ == "__main__":
+    SCHEMA_PATH.write_text(render())
+    print(SCHEMA_PATH)

@@ -1,0 +1,1 @@
+"""`specserve distill`: distilling a small draft from a target."""

@@ -1,0 +1,1 @@
+"""`specserve simulate`: the capacity simulator (pure) and its command line."""

@@ -1,0 +1,84 @@
+"""The acceptance arithmetic alone (specserve.acceptance.stats)."""
+
+import pytest
+
+from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
+
+
+def rec(model, replica, hist, out, draft_tokens, k=4, target="t1", ttft=0.1, dur=1.0, at=100.0):
+    return RequestRecord(draft_model=model, draft_replica=replica, target_replica=target, k=k,
+                         output_tokens=out, draft_tokens=draft_tokens, accepted_histogram=hist,
+                         ttft_s=ttft, duration_s=dur, finished_at=at)
+
+
+def test_record_figures_follow_the_histogram():
+    # 3 verify steps with drafts: accepted 0, 2 and 4 of 4 drafted each.
+    r = rec("good", "r1", [1, 0, 1, 0, 1], out=20, draft_tokens=12)
+    assert r.accepted_tokens == 6
+    assert r.steps_with_drafts == 3
+    assert r.steps == 14  # 20 tokens - 6 accepted
+    assert r.accepted_per_position(4) == [2, 2, 1, 1]
+
+
+def test_figures_add_up_per_model_replica_and_target():
+    s = SpecStats(k=4)
+    s.record(rec("good", "r1", [0, 0, 0, 0, 2], out=12, draft_tokens=8))
+    s.record(rec("good", "r2", [1, 1, 0, 0, 0], out=10, draft_tokens=8, target="t2"))
+    s.record(rec("bad", "r3", [4, 0, 0, 0, 0], out=10, draft_tokens=16))
+    s.record(rec(None, None, [], out=5, draft_tokens=0))
+    snap = s.snapshot(now=100.0)
+    models = {d["model"]: d for d in snap["draft_models"]}
+    assert models["good"]["draft_tokens"] == 16 and models["good"]["accepted_tokens"] == 9
+    assert models["good"]["acceptance_rate"] == 9 / 16
+    assert models["good"]["accepted_per_position"] == [3, 2, 2, 2]
+    # mean accepted length: 1 + accepted / steps with drafts
+    assert models["good"]["mean_accepted_length"] == 1 + 9 / 4
+    assert models["bad"]["acceptance_rate"] == 0.0
+    assert models["bad"]["coverage"] == 4 / 10
+    assert [d["replica"] for d in snap["drafts"]] == ["r3", "r1", "r2"]
+    assert snap["target_only"]["requests"] == 1
+    assert {t["replica"]: t["requests"] for t in snap["targets"]} == {"t1": 3, "t2": 1}
+
+
+def test_end_to_end_window_and_prometheus_text():
+    s = SpecStats(k=2)
+    s.record(rec("m", "r", [1, 1, 1], out=11, draft_tokens=6, k=2, ttft=0.2, dur=2.2, at=50.0))
+    e2e = s.end_to_end(now=60.0)
+    assert e2e["ttft_p50_s"] == 0.2 and abs(e2e["tpot_p50_s"] - 0.2) < 1e-9
+    assert s.end_to_end(now=1000.0)["requests"] == 0
+    text = prometheus_text(s, now=60.0)
+    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 6' in text
+    assert 'specserve_accepted_per_position_total{draft_model="m",draft_replica="r",position="1"} 1' in text
+    assert "# TYPE specserve_k gauge" in text
+
+
+def test_goodput_target_live_figures_and_draft_lag():
+    s = SpecStats(k=2, slo_ttft_s=1.0, slo_tpot_s=0.1)
+    fast = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=0.5, dur=1.0, at=50.0)
+    slow = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=3.0, dur=4.0, at=50.0)
+    fast.target_running, fast.target_waiting, fast.draft_lag = 3, 1, 2.5
+    s.record(slow)
+    s.record(fast)
+    e2e = s.end_to_end(now=60.0)
+    assert e2e["output_tokens_per_s"] == 22 / 60 and e2e["goodput_tokens_per_s"] == 11 / 60
+    snap = s.snapshot(now=60.0)
+    assert snap["targets"][0]["batch_size"] == 3 and snap["targets"][0]["queue_length"] == 1
+    assert snap["targets"][0]["output_tokens_per_s"] == 22 / 60
+    assert snap["drafts"][0]["draft_lag"] == 2.5
+    text = prometheus_text(s, now=60.0)
+    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
+    assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
+    assert "specserve_goodput_tokens_per_second" in text
+
+
+def test_alpha_is_conditional_acceptance_up_to_each_requests_k():
+    from specserve.acceptance.stats import Figures
+
+    f = Figures()
+    # K=4: 10 steps with drafts; positions tried 10 + 6 + 3 + 1, accepted 6 + 3 + 1 + 0
+    f.add(RequestRecord(None, None, "t", 4, 30, 40, [4, 3, 2, 1, 0], 0.1, 1.0, 0.0), 4)
+    assert f.alpha == pytest.approx(10 / 20) and f.acceptance_rate == pytest.approx(10 / 40)
+    # K=1 (a window of one): only position 0 is tried, 5 times, 2 accepted
+    f.add(RequestRecord(None, None, "t", 1, 20, 5, [3, 2, 0, 0, 0], 0.1, 1.0, 0.0), 4)
+    assert f.alpha == pytest.approx(12 / 25)
+    assert f.as_dict()["alpha"] == f.alpha

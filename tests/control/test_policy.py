@@ -1,0 +1,121 @@
+"""The speculation policies alone: K control and the choice of draft pool."""
+
+import pytest
+
+from specserve.control.policy import (
+    MIN_REQUESTS, MIN_SAMPLES, PROBE_EVERY, PoolView, StepCost, choose, choose_k, expected_tokens,
+    modelled_cost, pool_k, predicted_rate, speedup,
+)
+
+
+def test_expected_tokens_closed_form_and_edges():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+
+
+def test_k_falls_with_acceptance_and_load_and_comes_back():
+    ks = [choose_k(a, 8, load=0.0) for a in (0.95, 0.8, 0.6, 0.3, 0.05)]
+    assert ks == sorted(ks, reverse=True) and ks[0] == 8 and ks[-1] == 0
+    by_load = [choose_k(0.8, 8, load) for load in (0.0, 0.2, 0.5, 1.0)]
+    assert by_load == sorted(by_load, reverse=True) and by_load[-1] == 0
+    assert choose_k(0.8, 8, 1.0) == 0 and choose_k(0.8, 8, 0.0) > 0  # back when load drops
+    assert choose_k(0.9, 0, 0.0) == 0
+
+
+def test_speculation_never_chosen_when_it_cannot_pay():
+    for a in (0.0, 0.2, 0.5, 0.9, 1.0):
+        k = choose_k(a, 8, load=1.0)  # saturated: each verified token costs a full step
+        assert k == 0 and speedup(a, 1, 1.0) <= 1.0 + 1e-9
+
+
+def pool(name, acc, tokens=1000, cov=0.8, inflight=0):
+    return PoolView(name, tokens, acc, cov, requests=10, inflight=inflight)
+
+
+def test_fresh_pools_are_measured_first_at_full_k():
+    fresh = PoolView("b", MIN_SAMPLES - 1, 0.0, 0.0, requests=0, inflight=0)
+    c = choose([pool("a", 0.9), fresh], 4, 0.0, turn=0)
+    assert c.pool == "b" and c.k == 4
+    # A pool whose drafts never arrive stops being measured after a few requests.
+    silent = PoolView("s", 0, 0.0, 0.0, requests=MIN_REQUESTS, inflight=0)
+    assert choose([pool("a", 0.9), silent], 4, 0.0, turn=1).pool == "a"
+
+
+def test_the_better_pool_wins_and_a_bad_pool_gets_k_0():
+    good, bad = pool("good", 0.85), pool("bad", 0.03)
+    for turn in range(1, PROBE_EVERY):
+        c = choose([bad, good], 4, 0.0, turn)
+        assert c.pool == "good" and c.k > 0
+    assert choose_k(bad.alpha, 4, 0.0) == 0
+
+
+def test_low_acceptance_everywhere_serves_target_only_but_probes():
+    pools = [pool("x", 0.02), pool("y", 0.03)]
+    picks = [choose(pools, 4, 0.0, t) for t in range(1, 2 * PROBE_EVERY + 1)]
+    assert sum(c.pool is not None for c in picks) == 2  # one probe per PROBE_EVERY turns
+    assert all(c.k == 0 for c in picks if c.pool is None)
+
+
+def test_saturated_target_gets_no_speculation_and_no_pools_means_none():
+    assert choose([pool("good", 0.95)], 4, 1.0, 1).k == 0
+    assert choose([], 4, 0.0, 0) .pool is None
+    assert choose([pool("good", 0.9)], 0, 0.0, 0).k == 0
+
+
+def test_modelled_cost_is_the_measured_model_with_one_row():
+    # speedup = E / (1 + v K) with v the modelled verify cost, via the one rate model
+    for load in (0.0, 0.3, 1.0):
+        cost = modelled_cost(load)
+        v = cost.per_token
+        assert not cost.measured and cost.fixed + cost.per_token == pytest.approx(1.0)
+        for k in (1, 3):
+            assert speedup(0.7, k, load) == pytest.approx(expected_tokens(0.7, k) / (1 + v * k))
+            assert speedup(0.7, k, cost=cost) == pytest.approx(speedup(0.7, k, load))
+
+
+def test_coverage_lowers_the_gain_and_zero_coverage_means_k_0():
+    gains = [speedup(0.8, 4, coverage=c) for c in (1.0, 0.5, 0.1, 0.0)]
+    assert gains == sorted(gains, reverse=True) and gains[-1] == pytest.approx(1.0)
+    assert choose_k(0.8, 4, coverage=1.0) == 4 and choose_k(0.95, 4, coverage=0.0) == 0
+
+
+def test_measured_verify_cost_decides():
+    # The default draft here: alpha 0.30, coverage 0.12. Verification nearly free
+    # (GPU-like): K=1 pays a little; each token a fifth of a step (CPU): it does not.
+    cheap, cpu = StepCost(0.020, 0.00002), StepCost(0.015, 0.004)
+    assert choose_k(0.30, 4, cost=cheap, coverage=0.9) > 0
+    assert choose_k(0.30, 4, cost=cpu, coverage=0.12, margin=0.03) == 0
+    # A good draft still pays on the CPU at one row, and stops paying with many rows.
+    assert choose_k(0.9, 4, cost=cpu, rows=1, coverage=0.9) > 0
+    assert choose_k(0.9, 4, cost=cpu, rows=64, coverage=0.9) == 0
+    # The K chosen is the argmax of the predicted rate.
+    for alpha in (0.5, 0.7, 0.9):
+        k = choose_k(alpha, 8, cost=cpu, rows=2, coverage=0.8)
+        rates = [predicted_rate(alpha, 0.8, j, 2, cpu.fixed, cpu.per_token) for j in range(9)]
+        assert rates[k] == pytest.approx(max(rates))
+
+
+def test_free_verification_is_floored_at_v_idle():
+    free = StepCost(0.025, 0.0)  # an emulated slow step: verifying costs nothing measurable
+    assert speedup(0.5, 2, cost=free) == pytest.approx(speedup(0.5, 2, load=0.0))
+    assert choose_k(0.04, 4, cost=free, coverage=0.9, margin=0.03) == 0
+    assert choose_k(0.95, 4, cost=free, coverage=0.9, margin=0.03) == 4
+
+
+def test_router_choice_uses_measured_cost_and_coverage_and_probes():
+    cpu = StepCost(0.015, 0.004)
+    default = PoolView("default", 5000, 0.30, 0.12, requests=100, inflight=0)
+    # The modelled cost (5% of a step per token) says speculate; the measured one says no.
+    assert pool_k(default, 4, 0.0) > 0 and pool_k(default, 4, 0.0, cpu, 1) == 0
+    picks = [choose([default], 4, 0.0, t, cost=cpu, rows=1) for t in range(1, 2 * PROBE_EVERY + 1)]
+    probes = [c for c in picks if c.pool is not None]
+    assert len(probes) == 2 and all(c.k == 4 for c in probes)  # re-measured, at full K
+    assert all(c.k == 0 and "ms/token" in c.reason for c in picks if c.pool is None)
+    good = PoolView("good", 5000, 0.9, 0.9, requests=100, inflight=0)
+    c = choose([default, good], 4, 0.0, 1, cost=cpu, rows=1)
+    assert c.pool == "good" and c.k == pool_k(good, 4, 0.0, cpu, 1) > 0
+    fresh = PoolView("new", 0, 0.0, 0.0, requests=0, inflight=0)
+    assert pool_k(fresh, 4, 1.0, cpu, 64) == 4

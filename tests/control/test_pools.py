@@ -1,0 +1,62 @@
+"""What the ops views show about pools (specserve.control.pools, pure): replica counts
+from Serve's status, the autoscaling decision log, their Prometheus lines; and
+that the Serve policy functions publish each changed decision."""
+
+from types import SimpleNamespace
+
+from specserve.control import autoscale
+
+from specserve.control import pools
+
+
+def test_replica_counts_per_pool_with_bounds():
+    rows = pools.replica_counts(
+        {"router": {"RUNNING": 1}, "draft-llama-1b": {"RUNNING": 2, "STARTING": 1, "STOPPING": 0},
+         "target": {"RUNNING": 1}},
+        {"target": (1, 4), "llama-1b": (2, 8), "llama-8b": (1, 4)})
+    assert [r["pool"] for r in rows] == ["target", "llama-1b", "llama-8b"]
+    target, small, big = rows
+    assert target == {"pool": "target", "deployment": "target", "states": {"RUNNING": 1},
+                      "running": 1, "min_replicas": 1, "max_replicas": 4}
+    assert small["states"] == {"RUNNING": 2, "STARTING": 1} and small["running"] == 2
+    assert (small["min_replicas"], small["max_replicas"]) == (2, 8)
+    # A configured pool Serve does not report (yet): shown with 0 running.
+    assert big == {"pool": "llama-8b", "deployment": "draft-llama-8b", "states": {},
+                   "running": 0, "min_replicas": 1, "max_replicas": 4}
+    assert pools.prometheus_lines(rows)[2:] == [
+        'specserve_pool_replicas{pool="target"} 1',
+        'specserve_pool_replicas{pool="llama-1b"} 2',
+        'specserve_pool_replicas{pool="llama-8b"} 0']
+
+
+def test_pool_names():
+    assert pools.pool_name("target") == "target"
+    assert pools.pool_name("draft-llama-1b") == "llama-1b"
+    assert pools.pool_name("router") is None
+
+
+def test_decision_log_keeps_the_latest_newest_first():
+    log = pools.DecisionLog(keep=3)
+    for i in range(5):
+        log.record(100.0 + i, "same", 1, 1 + i % 2, f"reason {i}")
+    recent = log.recent()
+    assert [d["reason"] for d in recent] == ["reason 4", "reason 3", "reason 2"]
+    assert recent[0] == {"at": 104.0, "pool": "same", "previous": 1, "replicas": 1,
+                         "reason": "reason 4"}
+    assert [d["reason"] for d in log.recent(1)] == ["reason 4"]
+
+
+def test_policies_publish_changed_decisions(monkeypatch):
+    published = []
+    monkeypatch.setattr(pools, "publish", lambda *a: published.append(a))
+    ctx = SimpleNamespace(current_num_replicas=1, capacity_adjusted_min_replicas=1,
+                          capacity_adjusted_max_replicas=3, deployment_name="draft-same",
+                          policy_state={}, aggregated_metrics={
+                              "coverage": {"r": 0.2}, "lag": {"r": 3.0}, "active": {"r": 4.0}})
+    n, state = autoscale.draft_policy(ctx)
+    assert n == 2
+    (at, pool, previous, replicas, reason), = published
+    assert (pool, previous, replicas) == ("same", 1, 2) and "late" in reason
+    ctx.policy_state = state  # the same decision again: not published twice
+    autoscale.draft_policy(ctx)
+    assert len(published) == 1

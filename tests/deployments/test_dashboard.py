@@ -1,0 +1,221 @@
+"""The /dashboard page in headless Chromium against a running app (tiny models,
+an API key, a draft pool that autoscales): it asks for the key, then shows the
+same figures as /v1/spec/stats (acceptance per draft and per position,
+coverage, K, tokens/s, TTFT/TPOT, replicas per pool, autoscaling decisions),
+and a screenshot is saved (also to out/dashboard.png for people to look at).
+/metrics carries every specserve_* metric the Grafana dashboard of the Helm
+chart queries, and the replica counts per pool."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EMULATED_TARGET_STEP_MS
+from serving import ServeProcess, get, post
+from test_serve import tiny_config
+
+pytestmark = pytest.mark.slow
+
+KEY = "dash-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_models, tmp_path_factory):
+    config = tiny_config(tiny_models, [("same", "target")])
+    # min < max: the draft policy runs and its decisions reach the stats; the
+    # long delays keep Serve from acting on them (no second engine here).
+    config["drafts"][0]["replicas"] = {"min_replicas": 1, "max_replicas": 2,
+                                       "upscale_delay_s": 600, "downscale_delay_s": 600}
+    config["http"] = {"api_key": KEY}
+    server = ServeProcess(config, tmp_path_factory.mktemp("dashboard"),
+                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
+    try:
+        deadline = time.monotonic() + 600
+        while "specserve: serving" not in server.tail(10**7):
+            assert server.proc.poll() is None, server.tail()
+            assert time.monotonic() < deadline, server.tail()
+            time.sleep(2)
+        for i in range(4):  # figures to show
+            status, body = post(f"{server.url}/v1/completions",
+                                {"model": "tiny", "prompt": f"Dashboard {i}", "max_tokens": 24,
+                                 "temperature": 0, "ignore_eos": True}, AUTH)
+            assert status == 200, body
+        server.remember_children()
+        yield server
+    finally:
+        assert server.stop() == 0, server.tail()
+
+
+def stats(app) -> dict:
+    status, body = get(f"{app.url}/v1/spec/stats", AUTH)
+    assert status == 200, body
+    return body
+
+
+def test_page_is_public_and_stats_need_the_key(app):
+    import urllib.request
+
+    with urllib.request.urlopen(f"{app.url}/dashboard", timeout=30) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("text/html")
+        page = r.read().decode()
+    assert "/v1/spec/stats" in page
+    # Nothing is loaded from elsewhere: no absolute URLs in src/href attributes.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert get(f"{app.url}/v1/spec/stats")[0] == 401
+
+
+def test_stats_have_pools_and_autoscaling_decisions(app):
+    deadline = time.monotonic() + 60
+    while True:
+        s = stats(app)
+        if s["autoscaling"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    pools = {p["pool"]: p for p in s["pools"]}
+    assert pools["target"]["running"] == 1 and pools["target"]["max_replicas"] == 1
+    assert pools["same"]["running"] == 1
+    assert (pools["same"]["min_replicas"], pools["same"]["max_replicas"]) == (1, 2)
+    assert s["autoscaling"], "the draft policy's decisions never reached the router"
+    d = s["autoscaling"][0]
+    assert d["pool"] == "same" and d["replicas"] in (1, 2) and d["reason"]
+    models = {m["model"]: m for m in s["draft_models"]}
+    assert models["same"]["requests"] >= 4 and models["same"]["draft_tokens"] > 0
+
+
+def test_metrics_carry_what_grafana_queries(app):
+    from grafana import grafana_metric_names
+
+    status, text = get(f"{app.url}/metrics", AUTH)
+    assert status == 200
+    assert re.search(r'^specserve_pool_replicas\{pool="target"\} 1$', text, re.M)
+    assert re.search(r'^specserve_pool_replicas\{pool="same"\} 1$', text, re.M)
+    exported = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    wanted = {m for m in grafana_metric_names() if not m.startswith("ray_")}
+    assert wanted and wanted <= exported, sorted(wanted - exported)
+
+
+FIGURES = ("draft_models", "pools", "autoscaling", "end_to_end", "last_choice")
+
+SNAPSHOT = """
+const cards = {};
+for (const id of ["tokens-per-s", "goodput", "ttft", "tpot", "requests", "load"])
+  cards[id] = document.getElementById(id).dataset.value;
+const cells = [...document.querySelectorAll("td")].map((td) =>
+  ({table: td.closest("tbody").id, value: td.dataset.value, ...td.dataset}));
+return {stats: window.specserveStats, cards, cells};
+"""
+
+
+def _browser(tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.fail(f"{CHROMIUM} and {CHROMEDRIVER} are needed: `make browser` installs "
+                    "the Debian packages chromium and chromium-driver")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1400,1400",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+def _wait(driver, condition, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = driver.execute_script(condition)
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"the page never showed {what}")
+
+
+def test_dashboard_shows_the_figures_of_the_stats(app, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    driver = _browser(tmp_path)
+    try:
+        driver.get(f"{app.url}/dashboard?interval=0.5")
+        # With an API key configured the page asks for it ...
+        _wait(driver, "return document.getElementById('keybox').classList.contains('shown')",
+              "the API key box")
+        assert "API key" in driver.find_element(By.ID, "error").text
+        driver.find_element(By.ID, "apikey").send_keys(KEY)
+        driver.find_element(By.CSS_SELECTOR, "#keybox button").click()
+        # ... then polls with it. Wait for a poll that saw the decisions.
+        _wait(driver, "return (window.specserveStats || {autoscaling: []}).autoscaling.length"
+                      " && document.querySelectorAll('#decisions-table tr').length",
+              "autoscaling decisions")
+        time.sleep(2)  # a few more polls, so the plots have a line to show
+        # One snapshot of the page (a script runs between two polls): the stats
+        # it drew from and every figure it shows. Retried until no decision or
+        # window change fell between the page's poll and ours.
+        for _ in range(20):
+            page = driver.execute_script(SNAPSHOT)
+            want = stats(app)
+            if all(page["stats"][k] == want[k] for k in FIGURES):
+                break
+            time.sleep(0.3)
+        for k in FIGURES:
+            assert page["stats"][k] == want[k], k
+        cards, cells = page["cards"], page["cells"]
+
+        def num(v):
+            return None if v in ("", None) else float(v)
+
+        e2e = want["end_to_end"]
+        assert num(cards["tokens-per-s"]) == pytest.approx(e2e["output_tokens_per_s"])
+        assert num(cards["goodput"]) == pytest.approx(e2e["goodput_tokens_per_s"])
+        assert num(cards["ttft"]) == pytest.approx(e2e["ttft_p50_s"])
+        assert num(cards["tpot"]) == pytest.approx(e2e["tpot_p50_s"])
+        assert num(cards["requests"]) == e2e["requests"] >= 4
+        assert e2e["ttft_p50_s"] > 0 and e2e["output_tokens_per_s"] > 0
+
+        assert want["draft_models"], "no draft figures to compare"
+        for m in want["draft_models"]:
+            for field in ("acceptance_rate", "coverage", "k", "mean_accepted_length",
+                          "draft_tokens", "requests"):
+                shown = [c for c in cells if c.get("model") == m["model"]
+                         and c.get("field") == field and c["table"] == "drafts-table"]
+                assert len(shown) == 1 and num(shown[0]["value"]) == pytest.approx(m[field]), field
+            per_position = [c for c in cells if c.get("model") == m["model"] and "position" in c]
+            assert [c["position"] for c in per_position] == [
+                str(i) for i in range(len(m["accepted_per_position"]))] != []
+            assert [num(c["value"]) for c in per_position] == pytest.approx(
+                [a / m["steps_with_drafts"] for a in m["accepted_per_position"]])
+        same = {m["model"]: m for m in want["draft_models"]}["same"]
+        assert same["acceptance_rate"] > 0.5  # the draft is the target itself
+
+        for p in want["pools"]:
+            for field in ("running", "min_replicas", "max_replicas"):
+                shown = [c for c in cells if c.get("pool") == p["pool"] and c.get("field") == field]
+                assert len(shown) == 1 and num(shown[0]["value"]) == p[field], (p["pool"], field)
+        reasons = [c["value"] for c in cells
+                   if c["table"] == "decisions-table" and c.get("field") == "reason"]
+        assert reasons == [d["reason"] for d in want["autoscaling"]] != []
+
+        # The plots are drawn: the acceptance chart's canvas has coloured pixels.
+        assert driver.execute_script("""
+            const c = document.getElementById('chart-acceptance');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            for (let i = 0; i < d.length; i += 4)
+              if (d[i+3] > 0 && Math.abs(d[i] - d[i+2]) > 80) return true;
+            return false;""")
+        shot = tmp_path / "dashboard.png"
+        assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        (REPO / "out").mkdir(exist_ok=True)
+        shutil.copy(shot, REPO / "out" / "dashboard.png")
+    finally:
+        driver.quit()

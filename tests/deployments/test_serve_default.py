@@ -1,0 +1,42 @@
+"""`specserve serve` with no config (the embedded default: SmolLM2-135M-Instruct on
+CPU), exercised with the README's own curl and openai examples."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving import ServeProcess
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_block(lang: str, needle: str) -> str:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+    found = [b for b in blocks if needle in b]
+    assert found, f"README has no {lang} block with {needle!r}"
+    return found[0]
+
+
+def test_default_app_answers_the_readme_examples(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    server = ServeProcess(None, tmp_path)
+    try:
+        server.wait_ready("SmolLM2-135M-Instruct", timeout=900)
+        curl = readme_block("sh", "curl http").replace("8000", str(server.port))
+        out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        reply = json.loads(out.stdout)
+        assert reply["choices"][0]["message"]["content"].strip()
+        code = readme_block("python", "OpenAI(").replace("8000", str(server.port))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip()
+    finally:
+        assert server.stop() == 0, server.tail()

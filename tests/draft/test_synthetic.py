@@ -1,0 +1,176 @@
+"""The synthetic draft `synthetic:A`: the rule alone, then against a live target.
+
+End to end, over the real gRPC path: the measured conditional acceptance (from
+vLLM's per-position counters) is within ±0.03 of A, and greedy output still
+equals transformers' target-only output.
+"""
+
+import asyncio
+import random
+
+import pytest
+
+from specserve.tools.bench import stats as benchstats
+from specserve.draft import synthetic
+from specserve.draft.runner import DraftRunner
+
+# ---- the rule ---------------------------------------------------------------------
+
+
+def test_parse():
+    assert synthetic.parse("synthetic:0.8") == synthetic.SyntheticSpec(0.8, 0.0)
+    assert synthetic.parse("synthetic:1@2.5ms") == synthetic.SyntheticSpec(1.0, 2.5)
+    assert str(synthetic.parse("synthetic:0.80@2ms")) == "synthetic:0.8@2ms"
+    for bad in ["synthetic:", "synthetic:1.5", "synthetic:0.8@2", "synthetic:x", "synth:0.8"]:
+        with pytest.raises(ValueError, match="synthetic"):
+            synthetic.parse(bad)
+    assert synthetic.is_synthetic("Synthetic:0.5") and not synthetic.is_synthetic("/models/x")
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
+def test_corruption_rate_and_determinism(alpha):
+    rng = random.Random(1)
+    truth = [rng.randrange(320) for _ in range(20000)]
+    digest = synthetic.prompt_digest([5, 6, 7])
+    drafted = [synthetic.drafted_token(t, alpha, 3, digest, p, 320) for p, t in enumerate(truth)]
+    kept = sum(d == t for d, t in zip(drafted, truth)) / len(truth)
+    assert abs(kept - alpha) < 0.015  # 20000 Bernoulli draws: SE <= 0.0036
+    assert all(0 <= d < 320 for d in drafted)
+    # Same (seed, prompt, position): same token; another seed or prompt: other draws.
+    again = [synthetic.drafted_token(t, alpha, 3, digest, p, 320) for p, t in enumerate(truth)]
+    assert again == drafted
+    if 0 < alpha < 1:
+        other = [synthetic.drafted_token(t, alpha, 4, digest, p, 320) for p, t in enumerate(truth)]
+        assert other != drafted
+
+
+def test_replay_lookup_and_divergence(tmp_path):
+    path = tmp_path / "replay.jsonl"
+    synthetic.write_replay(path, [([1, 2], [10, 11, 12]), ([1, 2, 3], [20, 21])])
+    replay = synthetic.Replay.load(path)
+    assert len(replay) == 2
+    seq, n, _ = replay.find([1, 2, 3, 20])
+    assert (seq, n) == ([1, 2, 3, 20, 21], 3)  # the longest recorded prompt wins
+    assert replay.find([1, 2, 10])[1] == 2
+    assert replay.find([9, 9]) is None
+
+
+async def _draft(model, tokens, max_tokens=100):
+    out = []
+    async for new in model.continue_tokens("s", "r", tokens, max_tokens):
+        out.extend(new)
+    return out
+
+
+def test_model_replays_corrupts_and_falls_silent():
+    truth = list(range(100, 160))
+    replay = synthetic.Replay([([1, 2], truth)])
+    spec = synthetic.SyntheticSpec(0.7)
+    model = synthetic.SyntheticDraftModel(spec, replay, vocab_size=320, seed=0)
+    drafted = asyncio.run(_draft(model, [1, 2]))
+    assert len(drafted) == len(truth)
+    digest = synthetic.prompt_digest([1, 2])
+    assert drafted == [synthetic.drafted_token(t, 0.7, 0, digest, 2 + i, 320)
+                       for i, t in enumerate(truth)]
+    assert 0 < sum(d != t for d, t in zip(drafted, truth)) < len(truth)
+    # Continuing from its own (corrupted) drafts: the same tokens further on.
+    assert asyncio.run(_draft(model, [1, 2] + drafted[:10], 5)) == drafted[10:15]
+    # The target left the recorded path: nothing. Past the record, unknown prompt: nothing.
+    wrong = truth[0] + 1 if drafted[0] != truth[0] + 1 else truth[0] + 2
+    assert asyncio.run(_draft(model, [1, 2, wrong])) == []
+    assert asyncio.run(_draft(model, [1, 2] + truth)) == []
+    assert asyncio.run(_draft(model, [7, 7])) == [] and model.unknown_prompts == 1
+
+
+def test_runner_waits_when_the_model_has_nothing():
+    """A segment that yields nothing must not be retried in a busy loop."""
+
+    class Silent:
+        max_model_len = 1000
+        calls = 0
+
+        async def continue_tokens(self, *a):
+            Silent.calls += 1
+            return
+            yield
+
+    class Link:
+        def open(self, *a): pass
+        def send_draft(self, *a): pass
+        def close_request(self, *a): pass
+        async def close(self): pass
+
+    async def go():
+        runner = DraftRunner(Silent(), link_factory=lambda a: Link())
+        runner.start("r", [1, 2], "sink", lookahead=4, max_tokens=10)
+        for _ in range(200):
+            await asyncio.sleep(0)
+        before = Silent.calls
+        runner._on_verified("r", 2, [5])  # the target moved on: ask the model again
+        for _ in range(200):
+            await asyncio.sleep(0)
+        await runner.close()
+        return before, Silent.calls
+
+    before, after = asyncio.run(go())
+    assert before == 1 and after == 2
+
+
+def test_conditional_acceptance_arithmetic():
+    # 100 steps with K=3 full windows; 80 accepted at 0, 64 at 1, 51 at 2.
+    acc, drafted = [80, 64, 51], [100, 100, 100]
+    assert benchstats.per_position_acceptance(acc, drafted) == [0.8, 0.8, 51 / 64]
+    assert benchstats.conditional_acceptance(acc, drafted) == pytest.approx(195 / 244)
+    assert benchstats.conditional_acceptance([], []) is None
+    # vLLM's plain rate for the same draft is far lower than alpha.
+    assert benchstats.plain_acceptance_for(0.8, 4) == pytest.approx((3.3616 - 1) / 4)
+
+
+# ---- against a live target ----------------------------------------------------------
+
+ALPHA = 0.8
+PROMPTS = ["Hello world", "The quick brown fox", "abc", "Speculative decoding on CPU",
+           "one two three", "lorem ipsum", "zzz", "A synthetic draft"]
+TOKENS = 256  # 8 x 256 output tokens: ~1600 trials, SE of alpha-hat ~0.01
+
+
+@pytest.mark.slow
+def test_acceptance_is_alpha_and_output_is_target_only(tiny_models):
+    from transformers import AutoTokenizer
+
+    from specserve.target.engine import EngineSettings
+    from specserve.local import LocalSpec, run_prompts, sampling_params
+    from specserve.testing.tiny import greedy_reference
+
+    target = str(tiny_models["target"])
+    tok = AutoTokenizer.from_pretrained(target)
+
+    async def run():
+        settings = EngineSettings(dtype="float32", kv_cache_gib=1)
+        async with LocalSpec(target, f"synthetic:{ALPHA}", k=4, lookahead=8,
+                             settings=settings) as spec:
+            outs = await run_prompts(spec, tok, PROMPTS, sampling_params(TOKENS, 0.0, True))
+            return outs, spec.totals
+
+    outs, totals = asyncio.run(run())
+    reference = greedy_reference(target, PROMPTS, TOKENS)
+    assert [o.token_ids for o in outs] == reference
+    alpha_hat = benchstats.conditional_acceptance(totals.accepted_per_position,
+                                                  totals.draft_per_position)
+    trials = sum(benchstats.position_trials(totals.accepted_per_position,
+                                            totals.draft_per_position))
+    assert trials >= 1200, totals  # enough drafts reached the target to judge
+    assert abs(alpha_hat - ALPHA) <= 0.03, (alpha_hat, totals)
+    # ... while vLLM's plain accepted/drafted is well below alpha.
+    assert totals.acceptance_rate < ALPHA - 0.1, totals
+
+
+@pytest.mark.slow  # two CLI subprocesses, no engine
+def test_cli_refuses_bad_or_unsupported_synthetic_drafts(tiny_models):
+    from conftest import run_cli
+
+    proc = run_cli("generate", "--target", str(tiny_models["target"]),
+                   "--draft", "synthetic:1.5", "--prompt", "x")
+    assert proc.returncode == 2 and "outside [0, 1]" in proc.stderr
+    proc = run_cli("serve", "--target", str(tiny_models["target"]), "--draft", "synthetic:0.8")
+    assert proc.returncode == 2 and "generate' and 'specserve bench' only" in proc.stderr

@@ -1,0 +1,49 @@
+"""The Grafana dashboard's PromQL: which metric names its panels query (shared by
+the chart test and the live /metrics and Prometheus tests)."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "helm" / "specserve" / "dashboards" / "specserve.json"
+
+
+PROMQL_FUNCTIONS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase",
+                    "histogram_quantile", "clamp_min", "clamp_max", "topk", "bottomk"}
+PROMQL_WORDS = {"and", "or", "unless", "bool", "offset"}
+
+
+def promql_metrics(expr: str) -> tuple[set[str], set[str]]:
+    """(metric names, function names) an expression uses."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    e = re.sub(r"\{[^}]*\}", "", e)  # label matchers
+    e = re.sub(r"\[[^\]]*\]", "", e)  # range selectors
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    e = re.sub(r"\b(group_left|group_right)\b", " ", e)
+    metrics, functions = set(), set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
+        word = m.group()
+        if e[m.end():].lstrip().startswith("("):
+            functions.add(word)
+        elif word not in PROMQL_WORDS:
+            metrics.add(word)
+    return metrics, functions
+
+
+@lru_cache(maxsize=1)
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
+def grafana_expressions() -> list[str]:
+    return [t["expr"] for p in dashboard()["panels"] for t in p["targets"]]
+
+
+def grafana_metric_names() -> set[str]:
+    names = set()
+    for expr in grafana_expressions():
+        names |= promql_metrics(expr)[0]
+    return names

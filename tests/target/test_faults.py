@@ -1,0 +1,228 @@
+"""Faults and hostile drafts against a live target engine.
+
+- Garbage on the wire (random ids, wrong positions, unknown requests, floods, and
+  a hostile draft that answers every verified update with wrong tokens for the
+  real requests' rows) changes no output token and crashes nothing.
+- Killing the draft process mid-generation: requests complete, same output.
+"""
+
+import asyncio
+import os
+import queue
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import EMULATED_TARGET_STEP_MS, PROMPTS
+from specserve.target.engine import EngineSettings
+from specserve.local import LocalSpec, run_prompts, sampling_params
+from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+LONG = 160  # tokens per request in the kill test: long enough to kill mid-way
+
+
+class Loop:
+    """An asyncio loop on a thread, so sync tests can drive async engines."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=600):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = Loop()
+    yield lp
+    lp.close()
+
+
+def slow_target_env():
+    os.environ["SPECSERVE_EMULATE_TARGET_STEP_MS"] = EMULATED_TARGET_STEP_MS
+
+
+class HostileDraft(threading.Thread):
+    """A draft stream that opens the real requests' prompts and, whenever the sink
+    reports verified tokens, drafts the target's true next token (it knows the
+    reference output) followed by random tokens: its garbage is proposed to the
+    real requests' rows and reaches the target's verifier at (almost) every step."""
+
+    def __init__(self, address, prompts_ids, answers, vocab, seed=0):
+        super().__init__(daemon=True)
+        self.channel = grpc.insecure_channel(address)
+        self.out: queue.Queue = queue.Queue()
+        self.rng = np.random.default_rng(seed)
+        self.prompts = {f"hostile-{i}": ids for i, ids in enumerate(prompts_ids)}
+        self.answers = {f"hostile-{i}": list(ids) + list(a)
+                        for i, (ids, a) in enumerate(zip(prompts_ids, answers))}
+        self.vocab = vocab
+        self.history = {rid: list(ids) for rid, ids in self.prompts.items()}
+        self.verified_updates = 0
+        self.errors = 0
+
+    def send(self, **kind):
+        self.out.put(spec_pb2.DraftMessage(**kind))
+
+    def run(self):
+        for rid, ids in self.prompts.items():
+            self.send(open=spec_pb2.OpenRequest(request_id=rid, prompt_token_ids=ids))
+            self.garbage(rid)
+        call = spec_pb2_grpc.DraftSinkStub(self.channel).Connect(iter(self.out.get, None))
+        try:
+            for msg in call:
+                if msg.WhichOneof("kind") == "verified":
+                    v = msg.verified
+                    self.verified_updates += 1
+                    hist = self.history[v.request_id]
+                    hist[v.position:] = list(v.token_ids)
+                    self.garbage(v.request_id)
+                else:
+                    self.errors += 1
+        except grpc.RpcError:
+            pass
+
+    def garbage(self, rid):
+        n = len(self.history[rid])
+        truth = self.answers[rid][n : n + 1]
+        junk = self.rng.integers(0, self.vocab, 6).tolist()
+        self.send(draft=spec_pb2.DraftTokens(request_id=rid, position=n, token_ids=truth + junk))
+
+    def stop(self):
+        self.out.put(None)
+        self.channel.close()
+
+
+def noise_streams(address, vocab, stop: threading.Event):
+    """Unknown ids, wrong positions, out-of-vocabulary ids, and a flood of opens."""
+    rng = np.random.default_rng(1)
+    channel = grpc.insecure_channel(address)
+    stub = spec_pb2_grpc.DraftSinkStub(channel)
+    codes = []
+
+    def msgs():
+        yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(request_id="n", prompt_token_ids=[1]))
+        while not stop.is_set():
+            kind = int(rng.integers(0, 4))
+            if kind == 0:
+                yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                    request_id=f"unknown-{rng.integers(1e6)}", position=3, token_ids=[1, 2]))
+            elif kind == 1:
+                yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                    request_id="n", position=int(rng.integers(0, 1 << 40)),
+                    token_ids=rng.integers(0, vocab, 8).tolist()))
+            elif kind == 2:
+                yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                    request_id="n", position=1, token_ids=[vocab + 5, -3]))
+            else:
+                yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                    request_id="n", position=1, token_ids=rng.integers(0, vocab, 4096).tolist()))
+            time.sleep(0.001)
+
+    def flood():  # opens past the sink's request limit: the stream is cut off
+        for i in range(100000):
+            if stop.is_set():
+                return
+            yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
+                request_id=f"f{i}", prompt_token_ids=[1, 2, 3]))
+
+    def consume(gen):
+        try:
+            for _ in stub.Connect(gen):
+                pass
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=consume, args=(g(),), daemon=True) for g in (msgs, flood)]
+    for t in threads:
+        t.start()
+    return threads, codes, channel
+
+
+def test_garbage_on_the_wire_changes_no_output(tiny_models, reference, loop):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["target"]))
+    slow_target_env()
+    settings = EngineSettings(dtype="float32", kv_cache_gib=1)
+    spec = LocalSpec(str(tiny_models["target"]), None, k=4, lookahead=8, settings=settings,
+                     sink_only=True)
+    try:
+        loop.run(spec.__aenter__())
+        vocab = 320
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+        hostile = HostileDraft(spec.sink_address, ids, reference, vocab)
+        hostile.start()
+        stop = threading.Event()
+        threads, codes, channel = noise_streams(spec.sink_address, vocab, stop)
+        time.sleep(0.5)
+        outs = loop.run(run_prompts(spec, tok, PROMPTS, sampling_params(48, 0.0, True)))
+        stop.set()
+        hostile.stop()
+        for t in threads:
+            t.join(10)
+        channel.close()
+        for out, ref in zip(outs, reference):
+            assert out.token_ids == ref
+        # The garbage really was verified (and rejected) by the target ...
+        assert spec.totals.draft_tokens > 50, spec.totals
+        # (about one true token per step, then garbage)
+        assert spec.totals.acceptance_rate < 0.5, spec.totals
+        assert hostile.verified_updates > 0
+        # ... the flood was cut off with a status code ...
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes, codes
+        # ... and the engine still serves.
+        again = loop.run(run_prompts(spec, tok, PROMPTS[:1], sampling_params(48, 0.0, True)))
+        assert again[0].token_ids == reference[0]
+    finally:
+        loop.run(spec.aclose())
+        os.environ.pop("SPECSERVE_EMULATE_TARGET_STEP_MS", None)
+
+
+def test_killing_the_draft_mid_generation(tiny_models, loop):
+    from transformers import AutoTokenizer
+
+    from specserve.testing.tiny import greedy_reference
+
+    target = str(tiny_models["target"])
+    tok = AutoTokenizer.from_pretrained(target)
+    reference = greedy_reference(target, PROMPTS, LONG)
+    slow_target_env()
+    settings = EngineSettings(dtype="float32", kv_cache_gib=1)
+    spec = LocalSpec(target, target, k=4, lookahead=8, settings=settings)
+    try:
+        loop.run(spec.__aenter__())
+        params = sampling_params(LONG, 0.0, True)
+        fut = asyncio.run_coroutine_threadsafe(run_prompts(spec, tok, PROMPTS, params), loop.loop)
+        # Kill the draft once it has demonstrably been feeding the target.
+        deadline = time.monotonic() + 120
+        while spec.totals.accepted_tokens < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert spec.totals.accepted_tokens >= 20, "the draft never fed the target"
+        assert not fut.done(), "generation finished before the kill; raise LONG"
+        os.kill(spec.draft_process.pid, signal.SIGKILL)
+        accepted_at_kill = spec.totals.accepted_tokens
+        outs = fut.result(300)
+        for out, ref in zip(outs, reference):
+            assert out.token_ids == ref
+        # New requests still run (target-only now), with the same output.
+        again = loop.run(run_prompts(spec, tok, PROMPTS[:2], params))
+        assert [o.token_ids for o in again] == reference[:2]
+        assert spec.draft_process.poll() is not None
+        assert spec.totals.accepted_tokens >= accepted_at_kill
+    finally:
+        loop.run(spec.aclose())
+        os.environ.pop("SPECSERVE_EMULATE_TARGET_STEP_MS", None)

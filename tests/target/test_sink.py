@@ -1,0 +1,275 @@
+"""The draft sink over real gRPC on loopback: drafts in, verified tokens out,
+per-request errors, stream-level cut-offs, malformed bytes."""
+
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from specserve.target.sink import DraftSink
+from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+
+@pytest.fixture
+def sink():
+    s = DraftSink(vocab_size=100, max_requests=8, max_pending=16)
+    s.start("127.0.0.1:0")
+    yield s
+    s.stop()
+
+
+class Client:
+    """A draft stream driven from the test: push messages, read replies."""
+
+    def __init__(self, port):
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.out: queue.Queue = queue.Queue()
+        self.replies: queue.Queue = queue.Queue()
+        self.status = None
+        call = spec_pb2_grpc.DraftSinkStub(self.channel).Connect(iter(self.out.get, None))
+        self.thread = threading.Thread(target=self._read, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _read(self, call):
+        try:
+            for msg in call:
+                self.replies.put(msg)
+        except grpc.RpcError as e:
+            self.status = e.code()
+        else:
+            self.status = grpc.StatusCode.OK
+
+    def open(self, rid, prompt):
+        self.out.put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
+            request_id=rid, prompt_token_ids=prompt)))
+
+    def draft(self, rid, position, tokens):
+        self.out.put(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+            request_id=rid, position=position, token_ids=tokens)))
+
+    def reply(self, timeout=5):
+        return self.replies.get(timeout=timeout)
+
+    def close(self):
+        self.out.put(None)
+        self.channel.close()
+
+
+def wait_for(cond, timeout=5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def h(*t):
+    return np.array(t, dtype=np.int32)
+
+
+def test_drafts_flow_in_and_verified_tokens_flow_back(sink):
+    c = Client(sink.port)
+    c.open("r", [1, 2, 3])
+    c.draft("r", 3, [4, 5, 6, 7])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 4)
+    assert sink.propose([h(1, 2, 3, 4)], [True], k=2) == [[5, 6]]
+    msg = c.reply()
+    assert msg.WhichOneof("kind") == "verified"
+    assert (msg.verified.request_id, msg.verified.position, list(msg.verified.token_ids)) == (
+        "r", 3, [4])
+    c.close()
+    assert wait_for(lambda: sink.stats()["open_requests"] == 0)
+
+
+def test_bad_requests_get_per_request_errors_and_the_stream_stays_open(sink):
+    c = Client(sink.port)
+    c.draft("ghost", 5, [1])
+    err = c.reply().error
+    assert err.request_id == "ghost" and err.code == grpc.StatusCode.NOT_FOUND.value[0]
+    c.open("r", [1, 2])
+    c.draft("r", 2, [500])
+    err = c.reply().error
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "vocabulary" in err.message
+    c.out.put(spec_pb2.DraftMessage())  # nothing set
+    assert c.reply().error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    c.draft("r", 2, [7, 8])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 2)
+    assert c.status is None  # still connected
+    c.close()
+
+
+def test_a_stream_opening_too_many_requests_is_cut_off(sink):
+    c = Client(sink.port)
+    for i in range(20):
+        c.open(f"r{i}", [1])
+    assert wait_for(lambda: c.status is not None)
+    assert c.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert wait_for(lambda: sink.stats()["open_requests"] == 0)
+    # Another draft can still connect and work.
+    d = Client(sink.port)
+    d.open("ok", [3])
+    assert wait_for(lambda: sink.stats()["open_requests"] == 1)
+    d.close()
+
+
+def test_malformed_bytes_end_that_call_with_a_status_and_nothing_else(sink):
+    good = Client(sink.port)
+    good.open("r", [1, 2])
+    channel = grpc.insecure_channel(f"127.0.0.1:{sink.port}")
+    raw = channel.stream_stream(
+        "/specserve.v1.DraftSink/Connect",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(raw(iter([b"\xff\xff\xff\xff garbage"]), timeout=5))
+    assert e.value.code() != grpc.StatusCode.OK
+    channel.close()
+    good.draft("r", 2, [3])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 1)
+    assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]
+    assert good.reply().verified.token_ids == [3]
+    good.close()
+
+
+def test_a_flood_stays_within_the_buffer_bounds(sink):
+    c = Client(sink.port)
+    c.open("r", [1])
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        c.draft("r", 1, rng.integers(0, 100, 64).tolist())
+    assert wait_for(lambda: sink.stats()["draft_messages"] == 3000, timeout=30)
+    stats = sink.stats()
+    assert stats["draft_tokens_buffered"] <= 16  # max_pending
+    proposals = sink.propose([h(1)], [True], k=4)
+    assert len(proposals[0]) <= 4
+    c.close()
+
+
+def test_a_stream_cannot_touch_another_streams_requests(sink):
+    """Requests are keyed by (stream, request id): a second stream that names the
+    first one's request id reaches nothing of it (its drafts for the same token
+    history may still be proposed, like any draft, and are verified by the target)."""
+    a, b = Client(sink.port), Client(sink.port)
+    a.open("r", [1, 2, 3])
+    a.draft("r", 3, [4, 5, 6])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 3)
+    b.out.put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id="r")))
+    b.draft("r", 3, [9, 9, 9])
+    err = b.reply().error  # (closing an unknown request is a no-op)
+    assert err.request_id == "r" and err.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert sink.stats()["open_requests"] == 1
+    assert sink.propose([h(1, 2, 3)], [True], k=2) == [[4, 5]]
+    b.close()  # b going away drops b's requests only
+    assert wait_for(lambda: sink.stats()["streams"] == 1)
+    assert sink.stats()["open_requests"] == 1
+    a.close()
+
+
+def test_memory_stays_bounded_under_a_flood_of_big_messages():
+    """Many streams opening requests with big prompts and sending big drafts as
+    fast as they can: open requests, buffered drafts and the process's memory
+    stay bounded (the request limit cuts streams off; drafts past max_pending
+    are dropped)."""
+    import psutil
+
+    sink = DraftSink(vocab_size=100, max_requests=16, max_pending=16, max_prompt_len=200_000)
+    sink.start("127.0.0.1:0")
+    me = psutil.Process()
+    stop = threading.Event()
+    big_prompt = [1] * 150_000  # ~0.6 MB per message on the wire
+    rng = np.random.default_rng(0)
+    sent = [0]
+
+    def flood(i):
+        channel = grpc.insecure_channel(f"127.0.0.1:{sink.port}", options=[
+            ("grpc.max_send_message_length", 8 << 20)])
+
+        def msgs():
+            n = 0
+            while not stop.is_set():
+                rid = f"s{i}-r{n % 40}"
+                yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
+                    request_id=rid, prompt_token_ids=big_prompt))
+                yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
+                    request_id=rid, position=len(big_prompt),
+                    token_ids=rng.integers(0, 100, 50_000).tolist()))
+                sent[0] += 2
+                n += 1
+
+        while not stop.is_set():  # reconnect after each cut-off, like a real draft
+            try:
+                for _ in spec_pb2_grpc.DraftSinkStub(channel).Connect(msgs()):
+                    pass
+            except grpc.RpcError:
+                pass
+        channel.close()
+
+    try:
+        baseline = me.memory_info().rss
+        threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        peak_requests = peak_buffered = 0
+        peak_rss = baseline
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            s = sink.stats()
+            peak_requests = max(peak_requests, s["open_requests"])
+            with sink._lock:  # drafted tokens held past each verified position
+                held = [e.length - e.verified for e in sink._book._entries.values()]
+            peak_buffered = max([peak_buffered, *held])
+            peak_rss = max(peak_rss, me.memory_info().rss)
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert sent[0] > 200, "the flood did not get going"
+        assert peak_requests <= 16 and peak_buffered <= 16, (peak_requests, peak_buffered)
+        # 16 open requests of 150k tokens are ~10 MB in the book; gRPC buffers
+        # a few messages per stream. Unbounded buffering would be gigabytes.
+        grown = (peak_rss - baseline) / (1 << 20)
+        print(f"flood: {sent[0]} messages, peak RSS growth {grown:.0f} MiB")
+        assert grown < 300, f"memory grew by {grown:.0f} MiB under the flood"
+    finally:
+        stop.set()
+        sink.stop()
+
+
+def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
+    """A draft replica stops drafting for a target whose sink stays unreachable
+    (deployments/draft.py); the link measures it and a working stream resets it."""
+    import asyncio
+    import socket
+
+    from specserve.draft.link import SinkLink
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+
+    got = []
+
+    async def main():
+        down = SinkLink(f"127.0.0.1:{dead}", lambda *a: None, lambda link: [])
+        up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: got.append(a), lambda link: [])
+        await asyncio.sleep(1.0)
+        up.open("r", [1, 2])  # (before the stream is up, the snapshot would re-open it)
+        for _ in range(100):
+            if sink.stats()["open_requests"]:
+                break
+            await asyncio.sleep(0.02)
+        assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]  # a verified update for "r"
+        await asyncio.sleep(0.5)
+        result = down.down_since, up.down_since
+        await down.close()
+        await up.close()
+        return result
+
+    down_since, up_since = asyncio.run(main())
+    assert down_since is not None
+    assert got == [("r", 2, [3])] and up_since is None  # the working stream delivered

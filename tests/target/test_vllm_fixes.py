@@ -1,0 +1,28 @@
+"""The vLLM work-arounds in specserve.target.vllm_fixes do what they say."""
+
+import torch
+
+from specserve.target import vllm_fixes
+
+
+def test_expand_kernel_fills_float_outputs_per_request():
+    out = torch.empty(5)
+    vllm_fixes.expand_kernel(out, torch.tensor([0.7, -1.0, 2.0]),
+                             torch.tensor([2, 2, 5], dtype=torch.int32), -1, 1)
+    assert out.tolist() == [0.7, 0.7, 2.0, 2.0, 2.0] or torch.allclose(
+        out, torch.tensor([0.7, 0.7, 2.0, 2.0, 2.0]))
+
+
+def test_expand_kernel_through_vllm_dispatch_after_apply():
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    current_platform.register_triton_kernel_overrides()  # what a vLLM worker does
+    vllm_fixes.apply()
+    temps = expand_batch_to_tokens(torch.tensor([0.5, -1.0, 1.5]),
+                                   torch.tensor([1, 3, 4], dtype=torch.int32), 4,
+                                   replace_from=-1, replace_to=1)
+    assert torch.allclose(temps, torch.tensor([0.5, 1.0, 1.0, 1.5]))
+    top_k = expand_batch_to_tokens(torch.tensor([5, 0], dtype=torch.int32),
+                                   torch.tensor([2, 3], dtype=torch.int32), 3)
+    assert top_k.tolist() == [5, 5, 0]

@@ -1,0 +1,379 @@
+"""The Helm chart (helm/specserve), rendered and linted by Helm's own Go SDK
+(helm-python-sdk, no helm binary), for the default values and the GPU example:
+
+- the RayService validates against KubeRay's CRD schema (tests/data/crds, made
+  strict: unknown fields are errors, as the API server's strict field
+  validation makes them), its rayClusterConfig against the RayCluster CRD's
+  spec; Service and ConfigMap against Kubernetes' schemas (kubernetes-validate);
+- serveConfigV2 loads into AppConfig (for the GPU example: equal to
+  cluster/gpu-example.yaml) and names the builder that takes it;
+- worker groups get the GPUs, nodeSelectors and replica bounds of their pools;
+- values.schema.json is what `make helm-schema` generates and rejects typos;
+- every PromQL expression of the Grafana dashboard names metrics specserve
+  exports.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specserve.config import AppConfig
+
+from grafana import PROMQL_FUNCTIONS, dashboard, grafana_expressions, grafana_metric_names, promql_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "specserve"
+GPU_VALUES = CHART / "examples" / "gpu-values.yaml"
+CRDS = Path(__file__).resolve().parents[1] / "data" / "crds"
+KUBE_VERSION = "1.30"
+
+
+@lru_cache(maxsize=None)
+def chart():
+    import helm_python as helm
+
+    return helm.Chart.load(str(CHART))
+
+
+def gpu_values() -> dict:
+    import helm_python as helm
+
+    return helm.values_from_yaml(GPU_VALUES.read_text())  # as `helm -f` reads it
+
+
+def render(values: dict | None = None) -> dict[str, dict]:
+    """kind -> object (each kind once in this chart), NOTES.txt under "NOTES"."""
+    out: dict[str, dict] = {}
+    for path, text in chart().render(values, name="spec", namespace="llm").items():
+        if path.endswith("NOTES.txt"):
+            out["NOTES"] = text
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                assert doc["kind"] not in out, f"two {doc['kind']} objects"
+                out[doc["kind"]] = doc
+    return out
+
+
+# ---- schemas ----------------------------------------------------------------------
+
+def _strict(s: dict) -> dict:
+    """A CRD's structural OpenAPI schema as JSON schema that rejects unknown fields."""
+    out = {}
+    for k, v in s.items():
+        if k.startswith("x-kubernetes-"):
+            continue
+        if k == "properties":
+            out[k] = {name: _strict(p) for name, p in v.items()}
+        elif k in ("items", "additionalProperties", "not") and isinstance(v, dict):
+            out[k] = _strict(v)
+        elif k in ("allOf", "anyOf", "oneOf"):
+            out[k] = [_strict(x) for x in v]
+        else:
+            out[k] = v
+    if ("properties" in s and "additionalProperties" not in s
+            and not s.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    if s.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+@lru_cache(maxsize=None)
+def crd_schema(kind: str) -> dict:
+    crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())
+    assert crd["spec"]["names"]["kind"] == kind
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return _strict(version["schema"]["openAPIV3Schema"])
+
+
+def validate_crd(obj: dict, kind: str) -> None:
+    import jsonschema
+
+    errors = sorted(jsonschema.Draft7Validator(crd_schema(kind)).iter_errors(obj),
+                    key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+                                 for e in errors[:20])
+
+
+def validate_core(obj: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def check_rayservice(rs: dict) -> None:
+    assert rs["apiVersion"] == "ray.io/v1"
+    validate_crd(rs, "RayService")
+    # The RayCluster the RayService creates, checked against its own CRD.
+    validate_crd({"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                  "metadata": {"name": "spec-raycluster"}, "spec": rs["spec"]["rayClusterConfig"]},
+                 "RayCluster")
+
+
+def serve_app(rs: dict) -> dict:
+    serve_config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    return serve_config, app
+
+
+def groups(rs: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def container(group: dict) -> dict:
+    (c,) = group["template"]["spec"]["containers"]
+    return c
+
+
+# ---- tests ------------------------------------------------------------------------
+
+def test_checked_in_values_schema_is_the_generated_one():
+    from specserve.tools.chart import SCHEMA_PATH, render as render_schema
+
+    assert SCHEMA_PATH == CHART / "values.schema.json"
+    assert SCHEMA_PATH.read_text() == render_schema(), \
+        "values.schema.json is stale: run `make helm-schema`"
+    assert chart().schema["properties"]["specserve"]["properties"].keys() == \
+        AppConfig.model_fields.keys()
+
+
+@pytest.mark.parametrize("values", ["default", "gpu"])
+def test_helm_lint_is_clean(values):
+    import helm_python as helm
+
+    report = helm.lint(str(CHART), None if values == "default" else gpu_values(), strict=True,
+                       kube_version=f"v{KUBE_VERSION}.0")
+    assert report["total_charts_linted"] == 1
+    assert not report["errors"], report
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems, problems
+
+
+def test_default_values_render_a_valid_cpu_deployment():
+    objs = render()
+    assert set(objs) == {"RayService", "Service", "ConfigMap", "NOTES"}
+    rs = objs["RayService"]
+    check_rayservice(rs)
+    validate_core(objs["Service"])
+    validate_core(objs["ConfigMap"])
+
+    serve_config, app = serve_app(rs)
+    assert serve_config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert app["route_prefix"] == "/"
+    cfg = AppConfig.from_dict(app["args"], source="serveConfigV2")
+    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"}})
+    # The import path names a Serve application builder that takes the args.
+    module, attr = app["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    assert list(inspect.signature(builder).parameters) == ["args"]
+
+    # CPU only, no drafts: one target group without GPUs, autoscaler on.
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert set(groups(rs)) == {"target"}
+    target = groups(rs)["target"]
+    assert (target["minReplicas"], target["maxReplicas"]) == (1, 1)
+    assert "nvidia.com/gpu" not in container(target)["resources"]["limits"]
+    assert cluster["headGroupSpec"]["rayStartParams"] == {"dashboard-host": "0.0.0.0",
+                                                          "num-cpus": "0"}
+
+
+def test_gpu_example_renders_gpu_groups_and_the_example_config():
+    objs = render(gpu_values())
+    assert set(objs) == {"RayService", "Service", "ConfigMap", "ServiceMonitor", "PodMonitor",
+                         "NOTES"}
+    rs = objs["RayService"]
+    check_rayservice(rs)
+    validate_core(objs["Service"])
+    validate_core(objs["ConfigMap"])
+
+    _, app = serve_app(rs)
+    assert AppConfig.from_dict(app["args"]) == AppConfig.from_yaml(REPO / "cluster" /
+                                                                   "gpu-example.yaml")
+
+    g = groups(rs)
+    target, draft = g["target"], g["draft"]
+    # A target replica is one pod with tensor_parallel_size GPUs, on H100 nodes.
+    assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert (target["minReplicas"], target["maxReplicas"]) == (1, 4)
+    assert target["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    # Draft replicas: one L4 each; both pools' bounds added up (2-8 and 1-4).
+    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert (draft["minReplicas"], draft["maxReplicas"]) == (3, 12)
+    assert draft["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-accelerator": "nvidia-l4"}
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    for group in (head, target, draft):  # the router on the head reads the tokenizer
+        spec = group["template"]["spec"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} \
+            in container(group)["volumeMounts"]
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                            "readOnly": True}} in spec["volumes"]
+    for group in (target, draft):
+        spec = group["template"]["spec"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
+            in spec["tolerations"]
+
+    # The Service reaches the pods' Serve port; the monitors select what exists.
+    svc = objs["Service"]
+    assert svc["spec"]["type"] == "LoadBalancer"
+    pod_labels = target["template"]["metadata"]["labels"]
+    selector = {k: v for k, v in svc["spec"]["selector"].items() if k != "ray.io/serve"}
+    assert selector.items() <= pod_labels.items()
+    assert svc["spec"]["selector"]["ray.io/serve"] == "true"  # set by KubeRay on proxies
+    (port,) = svc["spec"]["ports"]
+    assert any(p["name"] == port["targetPort"] and p["containerPort"] == 8000
+               for p in container(target)["ports"])
+    sm, pm = objs["ServiceMonitor"], objs["PodMonitor"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == port["name"]
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert any(p["name"] == pm["spec"]["podMetricsEndpoints"][0]["port"]
+               for p in container(draft)["ports"])
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+
+    notes = objs["NOTES"]
+    assert "/dashboard" in notes and "llama-3.1-70b-instruct" in notes
+    assert "kubectl -n llm get svc spec-specserve" in notes
+
+
+def test_serve_builds_the_gpu_app_that_fits_its_pods():
+    """What the Serve controller does with serveConfigV2 (Ray's own schema,
+    import and build), and the replicas' needs against the pods' GPUs/CPUs."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.build_app import build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    rs = render(gpu_values())["RayService"]
+    serve_config, app = serve_app(rs)
+    ServeDeploySchema.model_validate(serve_config)
+    built = build_app(call_user_app_builder_with_args_if_necessary(
+        import_attr(app["import_path"]), app["args"]), name=app["name"], default_runtime_env={})
+    deployments = {d.name: d for d in built.deployments}
+    assert set(deployments) == {"router", "target", "draft-llama-1b", "draft-llama-8b"}
+    assert built.ingress_deployment_name == "router"
+
+    g = groups(rs)
+    limits = {name: container(g[name])["resources"]["limits"] for name in ("target", "draft")}
+    bundles = deployments["target"]._replica_config.placement_group_bundles
+    # One target replica (all its tensor-parallel bundles) fits one target pod.
+    assert sum(b["GPU"] for b in bundles) == limits["target"]["nvidia.com/gpu"] == 4
+    assert sum(b["CPU"] for b in bundles) <= float(limits["target"]["cpu"])
+    for name in ("draft-llama-1b", "draft-llama-8b"):
+        d = deployments[name]
+        actor = d._replica_config.ray_actor_options
+        assert actor["num_gpus"] <= limits["draft"]["nvidia.com/gpu"]
+        assert actor["num_cpus"] <= float(limits["draft"]["cpu"])
+        assert d._deployment_config.autoscaling_config.max_replicas in (8, 4)
+
+
+def test_values_schema_rejects_typos_and_bad_values():
+    import helm_python as helm
+
+    chart().validate_schema(gpu_values())
+    for bad in ({"specserve": {"target": {"max_replica": 4}}},  # AppConfig: unknown key
+                {"specserve": {"speculation": {"num_speculative_tokens": 99}}},
+                {"specserve": {"drafts": [{"name": "x"}]}},  # model missing
+                {"workerGroups": {"target": {"gpus": -1}}},
+                {"workerGroups": {"target": {"nodeselector": {}}}},
+                {"servicemonitor": {"enabled": True}}):
+        with pytest.raises(helm.HelmValuesError):
+            chart().validate_schema(bad)
+        with pytest.raises(helm.HelmError):  # installs and renders refuse them too
+            chart().render(bad, name="spec")
+
+
+def test_api_key_and_overrides_reach_the_serve_config():
+    values = {"specserve": {"http": {"api_key": "k3y", "port": 9000},
+                            "speculation": {"num_speculative_tokens": 6, "lookahead": 12},
+                            "target": {"engine": {"max_model_len": 4096}}},
+              "workerGroups": {"target": {"gpus": 2, "minReplicas": 0, "maxReplicas": 3}}}
+    objs = render(values)
+    rs = objs["RayService"]
+    check_rayservice(rs)
+    serve_config, app = serve_app(rs)
+    cfg = AppConfig.from_dict(app["args"])
+    assert cfg.http.api_key == "k3y" and cfg.http.port == 9000 and cfg.http.host == "0.0.0.0"
+    assert cfg.speculation.num_speculative_tokens == 6 and cfg.target.engine.max_model_len == 4096
+    assert serve_config["http_options"]["port"] == 9000
+    target = groups(rs)["target"]
+    assert (target["minReplicas"], target["maxReplicas"]) == (0, 3)
+    assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"name": "serve", "containerPort": 9000} in container(target)["ports"]
+    assert "Authorization: Bearer" in objs["NOTES"]
+
+
+def test_draft_group_adds_up_its_pools():
+    """Unset bounds count as AppConfig's defaults (1); GPUs round up a share."""
+    rs = render({"specserve": {"drafts": [
+        {"name": "a", "model": "/m"},
+        {"name": "b", "model": "/n", "replicas": {"min_replicas": 0, "max_replicas": 3},
+         "resources": {"gpus_per_worker": 0.5}}]}})["RayService"]
+    check_rayservice(rs)
+    draft = groups(rs)["draft"]
+    assert (draft["minReplicas"], draft["maxReplicas"]) == (1, 4)
+    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+# ---- the Grafana dashboard ----------------------------------------------------------
+
+def exported_metric_names() -> set[str]:
+    """What specserve exports: the router's /metrics (every TYPE line of the text
+    it serves, from figures with a draft pool in them), and the metrics its code
+    registers with ray.serve.metrics, as Ray's exporter names them."""
+    from specserve.control import pools
+    from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
+
+    stats = SpecStats(4)
+    stats.record(RequestRecord("d", "r1", "t1", 4, 10, 8, [1, 1, 1], 0.1, 0.5, 100.0,
+                               draft_lag=0.5))
+    stats.current_k["d"] = 4
+    text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
+        pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)})))
+    names = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    suffixes = {"Counter": ("", "_total"), "Gauge": ("",),
+                "Histogram": ("_bucket", "_sum", "_count")}
+    for path in [*(REPO / "specserve").rglob("*.py"), *(REPO / "deployments").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in suffixes and node.args
+                    and isinstance(node.args[0], ast.Constant)):
+                names |= {f"ray_{node.args[0].value}{s}" for s in suffixes[node.func.id]}
+    return names
+
+
+def test_grafana_dashboard_queries_only_exported_metrics():
+    panels = dashboard()["panels"]
+    titles = " | ".join(p["title"] for p in panels)
+    for topic in ("Acceptance rate per draft model", "Acceptance per position", "Coverage",
+                  "K ", "TTFT", "TPOT", "Replicas per pool", "Tokens/s", "Autoscaling"):
+        assert topic in titles, topic
+    exported = exported_metric_names()
+    assert {"specserve_accepted_tokens_total", "ray_specserve_ttft_seconds_bucket",
+            "ray_specserve_autoscale_desired_replicas", "specserve_pool_replicas"} <= exported
+    for expr in grafana_expressions():
+        metrics, functions = promql_metrics(expr)
+        assert metrics, expr
+        assert metrics <= exported, (expr, sorted(metrics - exported))
+        assert functions <= PROMQL_FUNCTIONS, (expr, functions - PROMQL_FUNCTIONS)
+
+
+def test_promql_parsing_finds_names_and_misses_none():
+    m, f = promql_metrics('sum by (a, b) (rate(x_total{a!="none", b=~"q(.*)"}[5m])) / on (a) '
+                          'group_left sum by (a) (rate(y_total[1h])) + 1 - z')
+    assert m == {"x_total", "y_total", "z"} and f == {"sum", "rate"}
+    assert not exported_metric_names() >= {"specserve_no_such_metric"}
