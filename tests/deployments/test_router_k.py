@@ -1,4 +1,4 @@
-"""The router's K choice with the target's measured step cost (deployments/router.py),
+"""The router's K choice with the target's measured step cost (deployments/choice.py),
 with a stand-in target handle: no Ray, no engine."""
 
 import asyncio
@@ -6,44 +6,20 @@ import itertools
 
 import pytest
 
-from deployments.router import COST_REFRESH_S, Router
-from specserve.control import policy
+from deployments.choice import COST_REFRESH_S, DraftChoice
+from fake_target import FakeTarget
 from specserve.acceptance.stats import RequestRecord, SpecStats
-
-
-class FakeRemote:
-    def __init__(self, answer):
-        self.answer, self.calls = answer, 0
-
-    def remote(self):
-        self.calls += 1
-
-        async def reply():
-            return dict(self.answer)
-        return reply()
-
-
-class FakeTarget:
-    def __init__(self, step_cost):
-        self.spec_totals = FakeRemote({"step_cost": step_cost})
+from specserve.config import AppConfig
+from specserve.control import policy
 
 
 def router(step_cost, k_max=4):
-    r = Router.__new__(Router)  # the parts choose_draft uses, without tokenizer or Ray
-    r.target = FakeTarget(step_cost)
-    r.draft_names = ["smollm2-distill"]
-    r._turn = itertools.count(1)
-    r.k_max = k_max
-    r.stats = SpecStats(k_max)
-    r.inflight = {}
-    r.capacity = 64
-    r.replicas = {"smollm2-distill": 1}
-    r.target_replicas = 1
-    r.last_choice = None
-    r._cost = (float("-inf"), None)
-    r._cost_task = None
-    r.k_inputs = {}
-    return r
+    config = {"target": {"model": "/nonexistent", "engine": {"max_num_seqs": 64}},
+              "drafts": [{"name": "smollm2-distill", "model": "/nonexistent"}],
+              "speculation": {"num_speculative_tokens": k_max}}
+    target = FakeTarget(step_cost=step_cost)
+    return DraftChoice(AppConfig.model_validate(config), target, ["smollm2-distill"],
+                       SpecStats(k_max))
 
 
 def record(r, requests=8):
@@ -60,11 +36,11 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         cpu = {"fixed_s": 0.015, "per_token_s": 0.004, "steps": 100}
         r = router(cpu)
         record(r)
-        first = r.choose_draft()  # nothing fetched yet: the load model decides
+        first = r.choose()  # nothing fetched yet: the load model decides
         assert r.k_inputs["cost_source"] == "modelled" and r.k_inputs["step_cost"] is None
         await r._cost_task  # the background fetch completes
         assert r.target.spec_totals.calls == 1
-        picks = [r.choose_draft() for _ in range(2 * policy.PROBE_EVERY)]
+        picks = [r.choose() for _ in range(2 * policy.PROBE_EVERY)]
         assert r.target.spec_totals.calls == 1  # cached for COST_REFRESH_S: one call
         assert r.k_inputs["cost_source"] == "measured" and r.k_inputs["step_cost"] == cpu
         pool = r.k_inputs["pools"]["smollm2-distill"]
@@ -76,7 +52,7 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         assert all(c.k == 0 for c in picks if c.pool is None)
         # an old copy is refreshed (in the background)
         r._cost = (r._cost[0] - COST_REFRESH_S, r._cost[1])
-        r.choose_draft()
+        r.choose()
         await r._cost_task
         assert r.target.spec_totals.calls == 2
         return first
@@ -94,9 +70,9 @@ def test_cheap_verification_keeps_a_good_draft_speculating():
                 draft_model="smollm2-distill", draft_replica="d0", target_replica="t0", k=4,
                 output_tokens=100, draft_tokens=80, accepted_histogram=[0, 1, 1, 1, 17],
                 ttft_s=0.1, duration_s=2.0, finished_at=0.0))
-        r.choose_draft()
+        r.choose()
         await r._cost_task
-        c = r.choose_draft()
+        c = r.choose()
         assert r.k_inputs["cost_source"] == "measured"
         assert c.pool == "smollm2-distill" and c.k == 4
         assert r.k_inputs["pools"]["smollm2-distill"]["predicted_speedup"] > 2
