@@ -417,7 +417,9 @@ def _run_serve(args) -> int:
     if address and address != "local":
         ray.init(address=address)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False)
+        # address="local": a new cluster even where a stale /tmp/ray/ray_current_cluster
+        # (left by a killed cluster) would make ray.init try to join a dead one.
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
