@@ -11,6 +11,9 @@ rows (the arithmetic is in the pure `specserve.tools.bench.stats`):
                       (LocalSpec), with adaptive K (specserve/adaptive.py);
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
+- vllm_serve          vLLM's own OpenAI server on the target alone, same
+                      engine settings, same streaming client as specserve_http
+                      (specserve/tools/bench/vllm_serve.py): the HTTP baseline;
 - specserve_http      the whole Ray Serve app (`specserve serve` in a
                       subprocess) over HTTP with streaming chat completions.
 
@@ -42,7 +45,7 @@ from pathlib import Path
 from specserve.tools.bench import stats as benchstats
 
 SYSTEMS = ("target_only", "vllm_draft_model", "specserve", "specserve_synthetic",
-           "specserve_http")
+           "vllm_serve", "specserve_http")
 SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
 
 
@@ -432,12 +435,17 @@ def category_rows(system: str, concurrency: int, alpha: float | None,
 
 
 def add_comparisons(rows: list[dict]) -> None:
-    """Ratios against target_only and vllm_draft_model at the same concurrency,
-    and for synthetic rows the ideal speedup and the share of it reached."""
+    """Ratios against target_only, vllm_draft_model and (over HTTP) vllm_serve at
+    the same concurrency, and for synthetic rows the ideal speedup and the share
+    of it reached."""
     base = {r["concurrency"]: r for r in rows if r["system"] == "target_only"}
     vdm = {r["concurrency"]: r for r in rows if r["system"] == "vllm_draft_model"}
+    serve = {r["concurrency"]: r for r in rows if r["system"] == "vllm_serve"}
     for r in rows:
         b, v = base.get(r["concurrency"]), vdm.get(r["concurrency"])
+        vs = serve.get(r["concurrency"])
+        r["speedup_vs_vllm_serve"] = benchstats.ratio(
+            r["output_tokens_per_s"], vs and vs["output_tokens_per_s"])
         r["speedup_vs_target_only"] = benchstats.ratio(
             r["output_tokens_per_s"], b and b["output_tokens_per_s"])
         r["speedup_vs_vllm_draft_model"] = benchstats.ratio(
@@ -476,6 +484,7 @@ def pool(rounds: list[dict]) -> dict:
 TABLE = [("system", "system"), ("alpha", "α"), ("concurrency", "C"), ("k", "K"),
          ("output_tokens_per_s", "tok/s"), ("speedup_vs_target_only", "× target_only"),
          ("speedup_vs_vllm_draft_model", "× vllm_draft_model"),
+         ("speedup_vs_vllm_serve", "× vllm_serve"),
          ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
          ("ttft_p50_ms", "TTFT p50 ms"), ("acceptance_rate", "accepted/drafted"),
          ("conditional_acceptance", "cond. acceptance"),
@@ -585,6 +594,11 @@ def _backends(a: BenchArgs, replay, workdir: Path):
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
                     "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, lookahead=2 * a.k,
                                                      settings=s, replay=replay()), alpha)))
+        elif system == "vllm_serve":
+            from specserve.tools.bench.vllm_serve import VllmServeBackend
+
+            out.append((system, None, lambda: VllmServeBackend(a.target, a.draft, a.k, s,
+                                                               workdir / "vllm_serve")))
         elif system == "specserve_http":
             out.append((system, None, lambda: HttpBackend(a.target, a.draft, a.k, s, workdir)))
     return out
@@ -593,7 +607,7 @@ def _backends(a: BenchArgs, replay, workdir: Path):
 async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: dict | None):
     """All concurrency levels on one started backend: (rows, category rows, mismatches)."""
     rows, cats, mismatches, first = [], [], [], None
-    speculative = backend.system != "target_only"
+    speculative = backend.system not in ("target_only", "vllm_serve")
     for c in a.concurrency:
         await backend.generate(prompts[0], {**params, "max_tokens": min(8, a.max_tokens)})
         before = backend.counters()
