@@ -286,7 +286,8 @@ def _run_generate(args) -> int:
 
 
 def _run_bench(args) -> int:
-    """`specserve bench`: the body is specserve/bench.py; here only the edge."""
+    """`specserve bench`: the body is specserve/tools/bench/; here only the edge."""
+    from specserve.tools.bench import report as bench_report
     from specserve.tools.bench import run as bench
     from specserve.models import ensure_default_model, tokenizers_compatible
 
@@ -326,8 +327,8 @@ def _run_bench(args) -> int:
         sys.stdout.flush()
         os.dup2(real_stdout, 1)
         os.close(real_stdout)
-    png = bench.write_outputs(report, args.json_path, args.plot)
-    print(bench.markdown(report))
+    png = bench_report.write_outputs(report, args.json_path, args.plot)
+    print(bench_report.markdown(report))
     print(f"specserve bench: plot written to {png}" +
           (f", results to {args.json_path}" if args.json_path else ""), file=sys.stderr)
     if report["greedy_mismatches"]:
