@@ -201,7 +201,7 @@ def ensure_default_draft(progress: Callable[[str], None] = print_to_stderr) -> P
     newer shipped draft replaces an older assembled one. Atomic and locked
     like `ensure_default_model`.
     """
-    from specserve.tools.distill.run import file_sha256
+    from specserve.tools.distill.draft import file_sha256
 
     shipped = shipped_draft_dir()
     layers = shipped / DRAFT_LAYERS_FILE
@@ -232,7 +232,7 @@ def ensure_default_draft(progress: Callable[[str], None] = print_to_stderr) -> P
         work_dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         os.chmod(work_dir, 0o755)
         try:
-            from specserve.tools.distill.run import assemble_draft
+            from specserve.tools.distill.draft import assemble_draft
 
             progress(f"assembling the default draft {shipped.name} -> {dest}")
             config = json.loads((shipped / "config.json").read_text())

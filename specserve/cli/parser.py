@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
 
     d = sub.add_parser("distill", help="distil a small draft out of a target's own layers "
-                       "(see specserve/distill.py)")
+                       "(see specserve/tools/distill/)")
     d.add_argument("--target", help="target model folder (default: the default model)")
     d.add_argument("--layers", type=positive_int("layers"), required=True,
                    help="number of target layers the draft keeps (evenly spaced)")

@@ -64,6 +64,7 @@ def run_distill(args) -> int:
     import shlex
 
     from specserve.tools.distill import run as distill
+    from specserve.tools.distill.recipe import DistillError
     from specserve.models import ensure_default_model
 
     target = args.target or str(ensure_default_model())
@@ -77,7 +78,7 @@ def run_distill(args) -> int:
                             checkpoint_minutes=args.checkpoint_minutes,
                             eval_count=args.eval_prompts, answer_tokens=args.answer_tokens,
                             command=command)
-    except distill.DistillError as e:
+    except DistillError as e:
         raise UsageError(str(e)) from None
     print(json.dumps({"out": str(Path(args.out).resolve()), "layers": state.layers,
                       "train_tokens": state.train_tokens, "eval_tokens": state.eval_tokens,
