@@ -7,7 +7,7 @@ Owns the measurement harness that `specserve profile`, the calibration
   n prompts through the engine with at most C in flight; output tokens per
   second, per-request latency per token, and vLLM's own spec-decode counters
   (acceptance, coverage).
-- `measure_profile`: a `specserve-profile/1` (specserve/simulate.py) for a
+- `measure_profile`: a `specserve-profile/1` (specserve/tools/simulate/profile.py) for a
   target on this hardware. Step time is the difference of two runs that differ
   only in output length (so start-up, prefill and the last step cancel):
   target-only at several batch sizes gives step_ms(tokens = batch); the
