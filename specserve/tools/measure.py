@@ -1,7 +1,8 @@
 """Measuring the real system for the simulator: step-cost profiles and throughput cells.
 
-Owns the measurement harness that `specserve profile`, the calibration
-(`python -m specserve.calibrate`) and `make gpu-check` share:
+Owns the measurement harness that `python -m specserve.tools.gpucheck` runs
+(its presets: `make gpu-check` on a GPU, `--preset tiny` in the tests,
+`--preset calibrate` for the simulator's calibration, docs/calibration.md):
 
 - `run_cell`: one (system, concurrency) measurement on a running `LocalSpec`:
   n prompts through the engine with at most C in flight; output tokens per

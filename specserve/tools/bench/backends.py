@@ -204,7 +204,7 @@ class HttpBackend:
         self.server = None
         self.name = "bench-target"
 
-    def config(self, port: int) -> dict:
+    def config(self) -> dict:
         engine = {"dtype": self.settings.dtype, "kv_cache_gib": self.settings.kv_cache_gib or 1,
                   "seed": self.settings.seed}
         if self.settings.max_model_len:
@@ -215,14 +215,13 @@ class HttpBackend:
             "drafts": [{"name": "draft", "model": self.draft, "engine": engine,
                         "resources": {"cpus_per_worker": 0.25}}],
             "speculation": {"num_speculative_tokens": self.k},
-            "http": {"port": port},
             "ray": {"num_cpus": 4},
         }
 
     async def start(self):
         from specserve.tools.serveproc import ServeProcess
 
-        self.server = ServeProcess(self.config, self.workdir)
+        self.server = ServeProcess(self.config(), self.workdir)
         await asyncio.to_thread(self.server.wait_ready, self.name)
 
     async def close(self):

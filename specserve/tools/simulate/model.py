@@ -10,8 +10,8 @@ between the pools, acceptance alpha, K, lookahead W and an arrival process
 an engine, opens a file or a socket: `simulate()` is a pure function of a
 profile, a scenario and a seed (files are read and written by the CLI).
 
-The model follows the real system's mechanics (docs/architecture.md,
-specserve/draft/runner.py, specserve/target/proposer.py):
+The model follows the real system's mechanics (specserve/draft/runner.py,
+specserve/target/proposer.py):
 
 - A target replica runs continuous batching: each step takes its running
   requests (admitting waiting ones up to `max_num_seqs` and `max_prefill_tokens`
