@@ -427,7 +427,8 @@ class AppConfig(_Strict):
     # ---- deriving ------------------------------------------------------------
 
     def with_overrides(self, target: str | None = None, drafts: list[str] | None = None,
-                       port: int | None = None, api_key: str | None = None) -> AppConfig:
+                       port: int | None = None, api_key: str | None = None,
+                       share_draft_cpus: bool = False) -> AppConfig:
         """A new config with the CLI's flags applied; None leaves a setting as it is.
 
         target: the target model folder. The served name is reset to follow
@@ -437,6 +438,9 @@ class AppConfig(_Strict):
           -2, -3, ... for repeats) and copies replicas, resources, engine and
           max_ongoing_requests from the first configured draft (or defaults).
           An empty list means no drafts (target-only).
+        share_draft_cpus: the new pools split the first pool's
+          resources.cpus_per_worker between them instead of each copying it
+          (what a local cluster sized for one draft pool needs).
 
         A model that replaces the default model (target `model: null`, draft
         `model: default`) does not inherit the engine settings that describe
@@ -455,6 +459,9 @@ class AppConfig(_Strict):
             pools = []
             for path, name in zip(drafts, pool_names(drafts)):
                 pool = {k: v for k, v in template.items() if k not in ("name", "model")}
+                if share_draft_cpus and "resources" in pool:
+                    pool["resources"] = {**pool["resources"], "cpus_per_worker":
+                                         pool["resources"]["cpus_per_worker"] / len(drafts)}
                 if first is not None and first.model == DEFAULT_DRAFT_KEYWORD \
                         and path != DEFAULT_DRAFT_KEYWORD:
                     pool["engine"] = dict(pool["engine"])

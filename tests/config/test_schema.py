@@ -17,7 +17,7 @@ from specserve.config import (
     lookahead_problem,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPU_EXAMPLE = REPO / "cluster" / "gpu-example.yaml"
 
 
