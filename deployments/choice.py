@@ -1,10 +1,10 @@
 """DraftChoice: the router's controller state (which draft pool, which K, for each request).
 
-Owns: the requests in flight per pool, the target's measured step cost as
-last fetched (refreshed in the background, never waited on by a request), and
-the decision through the pure `specserve.control.policy` from the acceptance
-record's measured α and coverage; what it last decided and why (shown in
-/v1/spec/stats). Never does: HTTP, or anything with a request's body.
+Owns: the requests in flight per pool and the target's measured step cost as
+last fetched (refreshed in the background, never waited on by a request); the
+decision is the K controller's (`specserve.control.controller.KController`,
+the one LocalSpec uses too), from the acceptance record's measured α and
+coverage; what it last decided and why is shown in /v1/spec/stats. Never does: HTTP, or anything with a request's body.
 
 Built from the config and a target handle whose `spec_totals.remote()` is
 awaitable, so it is tested with a stand-in handle (tests/deployments/test_router_k.py).
@@ -13,13 +13,13 @@ awaitable, so it is tested with a stand-in handle (tests/deployments/test_router
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 
 from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
 from specserve.control import policy
+from specserve.control.controller import KController
 
 log = logging.getLogger("specserve.router")
 
@@ -38,9 +38,8 @@ class DraftChoice:
         self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in config.drafts}
         self.target_replicas = max(t.replicas.max_replicas, 1)
         self.inflight: dict[str | None, int] = {}
-        self.last_choice: policy.Choice | None = None
-        self.k_inputs: dict = {}
-        self._turn = itertools.count()
+        self.controller = KController(self.k_max, self.replicas,
+                                      config.speculation.k_control.thresholds())
         # The target's measured step cost (from spec_totals), refreshed in the
         # background at most every COST_REFRESH_S: no remote call per request.
         self._cost: tuple[float, dict | None] = (float("-inf"), None)
@@ -82,39 +81,23 @@ class DraftChoice:
     # ---- the decision -------------------------------------------------------------
 
     def choose(self) -> policy.Choice:
-        """Draft pool and K for the next request, from measured acceptance,
-        coverage and the target's measured step cost (modelled from load until
-        the target has measured it)."""
-        views = []
-        for name in self.draft_names:
-            f = self.stats.by_model.get(name)
-            views.append(policy.PoolView(
-                name=name, draft_tokens=f.draft_tokens if f else 0,
-                alpha=f.alpha if f else 0.0,
-                coverage=f.coverage if f else 0.0, requests=f.requests if f else 0,
-                inflight=self.inflight.get(name, 0), replicas=self.replicas.get(name, 1)))
-        load = self.load()
+        """Draft pool and K for the next request (the K controller), from measured
+        acceptance, coverage and the target's measured step cost (modelled from
+        load until the target has measured it)."""
         measured = self.step_cost()
-        cost, rows = None, 1.0
-        if measured is not None:
-            cost = policy.StepCost(measured["fixed_s"], measured["per_token_s"])
-            # decode rows per target replica, this request included
-            rows = (sum(self.inflight.values()) + 1) / self.target_replicas
-        choice = policy.choose(views, self.k_max, load, next(self._turn), cost, rows)
-        per_pool = {}
-        for v in views:  # the K each pool would get now (shown in the stats)
-            k = policy.pool_k(v, self.k_max, load, cost, rows)
-            self.stats.current_k[v.name] = k
-            per_pool[v.name] = {
-                "k": k, "alpha": v.alpha, "coverage": v.coverage,
-                "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows,
-                                                    v.coverage)}
-        self.k_inputs = {"step_cost": measured,
-                         "cost_source": "measured" if cost is not None else "modelled",
-                         "modelled_verify_cost": (None if cost is not None
-                                                  else policy.verify_cost(load)),
-                         "rows": rows, "load": load, "pools": per_pool}
-        if self.last_choice is None or choice.reason != self.last_choice.reason:
-            log.info("draft choice: %s", choice.reason)
-        self.last_choice = choice
+        cost = (policy.StepCost(measured["fixed_s"], measured["per_token_s"])
+                if measured is not None else None)
+        # decode rows per target replica, this request included
+        rows = (sum(self.inflight.values()) + 1) / self.target_replicas
+        choice = self.controller.choose(self.stats.by_model, self.inflight, self.load(),
+                                        cost, rows)
+        self.stats.current_k.update(self.controller.current_k)
         return choice
+
+    @property
+    def last_choice(self) -> policy.Choice | None:
+        return self.controller.last
+
+    @property
+    def k_inputs(self) -> dict:
+        return self.controller.inputs

@@ -16,7 +16,8 @@ import asyncio
 import logging
 import time
 
-from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
+from specserve.acceptance.prometheus import prometheus_text
+from specserve.acceptance.stats import RequestRecord, SpecStats
 from specserve.control import pools
 
 log = logging.getLogger("specserve.router")
@@ -45,16 +46,17 @@ class ServeMetrics:
                               boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
 
     def observe(self, r: RequestRecord) -> None:
-        tags = {"draft_model": r.draft_model or "none",
-                "draft_replica": r.draft_replica or "none"}
-        for counter, value in ((self.draft_tokens, r.draft_tokens),
-                               (self.accepted_tokens, r.accepted_tokens),
-                               (self.output_tokens, r.output_tokens)):
+        tags = {"draft_model": r.report.draft_model or "none",
+                "draft_replica": r.report.draft_replica or "none"}
+        a = r.acceptance
+        for counter, value in ((self.draft_tokens, a.draft_tokens),
+                               (self.accepted_tokens, a.accepted_tokens),
+                               (self.output_tokens, a.output_tokens)):
             if value > 0:  # Ray's counters refuse increments of 0
                 counter.inc(value, tags=tags)
         self.ttft.observe(r.ttft_s)
-        if r.output_tokens > 1:
-            self.tpot.observe((r.duration_s - r.ttft_s) / (r.output_tokens - 1))
+        if r.tpot_s is not None:
+            self.tpot.observe(r.tpot_s)
 
 
 async def _within(awaitable, what: str):

@@ -18,8 +18,6 @@ import contextvars
 import logging
 import os
 import socket
-import tempfile
-from pathlib import Path
 
 from deployments import replica_name
 from specserve import logs
@@ -42,17 +40,8 @@ def _node_ip() -> str:
 
 class TargetServer:
     def __init__(self, config: dict, drafts: dict | None = None):
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        from specserve.target.engine import (
-            apply_cpu_env,
-            cpu_binding,
-            settings_from,
-            spec_counter_factory,
-            target_engine_args,
-        )
         from specserve.models import ensure_default_model
-        from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
+        from specserve.target.engine import TargetEngine, cpu_binding, settings_from
 
         self.config = AppConfig.model_validate(config)
         logs.to_stderr("target")
@@ -63,33 +52,16 @@ class TargetServer:
         self.model_dir = t.model or str(ensure_default_model())
         os.environ.update(t.resources.env)
         target_cpus, _ = cpu_binding(t.tensor_parallel_size)
-        if target_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus  # ignored on GPUs
-        settings = settings_from(t.engine)
-        apply_cpu_env(settings)
-        self._tmp = tempfile.TemporaryDirectory(prefix="specserve-target-")
-        port_file = Path(self._tmp.name) / "sink.port"
-        if self.k > 0:
-            os.environ[ENV_ADDRESS] = f"0.0.0.0:{t.sink_port}"
-            os.environ[ENV_PORT_FILE] = str(port_file)
-            tls = TlsFiles.from_config(self.config.grpc_tls)
-            if tls is not None:
-                tls.read()  # a missing file fails here, with its path
-                os.environ.update(tls.to_env())
-        factory, self.totals = spec_counter_factory()
-        # The target's measured decode step cost (a + b · tokens), the way
-        # LocalSpec measures it; the router's K choice reads it (spec_totals).
-        from specserve.control.controller import StepCostFit
-
-        self.step_costs = StepCostFit()
-        self.totals.step_observer = self.step_costs.add
-        engine_args = target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size,
-                                         k=self.k)
-        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[factory])
-        self._engine_args = engine_args
-        self.max_model_len = self.engine.model_config.max_model_len
-        self.sink_address = (f"{_node_ip()}:{int(port_file.read_text())}" if self.k > 0
-                             else None)
+        self.target = TargetEngine.start(
+            self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
+            sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
+            tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus)
+        # The engine, its counters and its measured decode step cost (a + b ·
+        # tokens), which the router's K choice reads through spec_totals.
+        self.engine, self.totals = self.target.engine, self.target.totals
+        self.step_costs = self.target.step_costs
+        self.max_model_len = self.target.max_model_len
+        self.sink_address = self.target.sink_address
         from vllm.platforms import current_platform
 
         self.client = DraftingEngine(
@@ -125,7 +97,7 @@ class TargetServer:
             self._app_lock = self._app_lock or asyncio.Lock()
             async with self._app_lock:
                 if self._app is None:
-                    self._app = await openai_app.build(self.client, self._engine_args,
+                    self._app = await openai_app.build(self.client, self.model_dir,
                                                        self.config.target.served_name())
         return self._app
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
 
 
@@ -142,14 +143,12 @@ class DraftingEngine:
 
     def _record(self, output, output_tokens: int, draft: DraftStream | None, k: int,
                 ttft: float, duration: float) -> RequestRecord:
-        m = output.spec_decode_metrics
         running, waiting = self._live()
         who = draft.who if draft is not None else {}
-        return RequestRecord(
-            draft_model=who.get("model"), draft_replica=who.get("replica"),
-            target_replica=self.target_replica, k=k if draft is not None else 0,
-            output_tokens=output_tokens,
-            draft_tokens=m.num_draft_tokens if m is not None else 0,
-            accepted_histogram=list(m.histogram) if m is not None else [],
-            ttft_s=ttft, duration_s=duration, finished_at=time.time(),
+        report = TargetReport(
+            target_replica=self.target_replica, draft_model=who.get("model"),
+            draft_replica=who.get("replica"),
+            acceptance=Acceptance.of_output(output, k if draft is not None else 0,
+                                            output_tokens),
             target_running=running, target_waiting=waiting, draft_lag=who.get("lag"))
+        return RequestRecord(report, ttft_s=ttft, duration_s=duration, finished_at=time.time())

@@ -18,15 +18,20 @@ import contextvars
 from collections.abc import AsyncIterator
 
 
-async def build(engine_client, engine_args, served_name: str):
+async def build(engine_client, model: str, served_name: str):
     """vLLM's OpenAI app (completions, chat, responses, tokenize, models, ...)
-    served as `served_name`, on `engine_client`."""
+    for the model folder `model`, served as `served_name`, on `engine_client`
+    (whose own config is what the serving classes read: context, tokenizer,
+    generation defaults)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import FrontendArgs
 
-    # What `vllm serve` parses into one Namespace: frontend flags, engine flags.
-    args = argparse.Namespace(**(vars(FrontendArgs()) | vars(engine_args)))
+    # What `vllm serve` parses into one Namespace: frontend flags (defaults),
+    # engine flags (the app reads only the model and logging ones).
+    args = argparse.Namespace(**(vars(FrontendArgs())
+                                 | vars(AsyncEngineArgs(model=model, disable_log_stats=False))))
     args.served_model_name = [served_name]
     tasks = await engine_client.get_supported_tasks()
     app = build_app(args, supported_tasks=tasks, model_config=engine_client.model_config)

@@ -12,6 +12,7 @@ import pytest
 
 from deployments.router import HEALTH_WAIT_S, Router
 from fake_target import FakeStream, FakeTarget, json_answer, sse_answer
+from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
 from specserve.openai_api import ApiError
 
@@ -27,11 +28,11 @@ def router(target, **http):
     return Router(config, target, ["same"], serve_metrics=False)
 
 
-def record(**kw):
-    fields = dict(draft_model="same", draft_replica="d0", target_replica="t0", k=4,
-                  output_tokens=10, draft_tokens=8, accepted_histogram=[0, 0, 2, 0, 0],
-                  ttft_s=0.1, duration_s=1.0, finished_at=0.0)
-    return RequestRecord(**{**fields, **kw})
+def record():
+    return RequestRecord(
+        TargetReport("t0", "same", "d0", Acceptance(k=4, output_tokens=10, draft_tokens=8,
+                                                    accepted_histogram=(0, 0, 2, 0, 0))),
+        ttft_s=0.1, duration_s=1.0, finished_at=0.0)
 
 
 def request(method, path, body=b"", headers=None, chunks=None):

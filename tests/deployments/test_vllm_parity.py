@@ -22,8 +22,9 @@ import urllib.request
 
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS
-from serving import ServeProcess, free_port, get
+from conftest import SLOW_TARGET_ENV
+from specserve.ports import free_port
+from specserve.tools.serveproc import ServeProcess, get
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def specserve_server(tiny_models, tmp_path_factory):
         "ray": {"num_cpus": 4},
     }
     server = ServeProcess(config, tmp_path_factory.mktemp("serve"),
-                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
+                          env=SLOW_TARGET_ENV)
     try:
         server.wait_ready(MODEL)
         yield server.url

@@ -81,11 +81,13 @@ def test_one_draft_stream_with_the_routers_k_and_a_record_from_vllms_figures():
                                          params())
         assert len(outs) == 2  # vLLM's outputs, unchanged
         assert drafts.opened == [("same", "cmpl-1-0", [1, 2, 3], 8, 2)] and drafts.closed == 1
-        [r] = route.records
-        assert (r.draft_model, r.draft_replica, r.k, r.output_tokens) == ("same", "r1", 2, 3)
-        assert r.accepted_histogram == [1, 0, 2] and r.draft_tokens == 6
+        [record] = route.records
+        r, a = record.report, record.acceptance
+        assert (r.draft_model, r.draft_replica, a.k, a.output_tokens) == ("same", "r1", 2, 3)
+        assert a.accepted_histogram == (1, 0, 2) and a.draft_tokens == 6
         assert (r.target_replica, r.target_running, r.target_waiting, r.draft_lag) == (
             "t0", 3, 1, 0.5)
+        assert 0 <= record.ttft_s <= record.duration_s
         assert engine.calls[0][2] == {"priority": 0}  # the rest goes on to the engine
         assert client.model_config == "the engine's"  # and so does the rest of the client
 
@@ -101,7 +103,7 @@ def test_n_sequences_get_a_draft_stream_each_and_a_record_each():
                                     params(n=2, kind="FINAL_ONLY"))
         assert [o[1] for o in drafts.opened] == ["cmpl-1-0/0", "cmpl-1-0/1"]
         assert {o[4] for o in drafts.opened} == {4} and drafts.closed == 2
-        assert [(r.output_tokens, r.draft_replica) for r in route.records] == [
+        assert [(r.output_tokens, r.report.draft_replica) for r in route.records] == [
             (3, "r1"), (4, "r2")]
 
     asyncio.run(go())
@@ -114,7 +116,7 @@ def test_no_draft_pool_means_no_drafts_but_still_a_record():
                                  {"prompt_token_ids": [1]}, params())
         assert drafts.opened == []
         [r] = route.records
-        assert r.draft_model is None and r.k == 0 and r.output_tokens == 1
+        assert r.report.draft_model is None and r.acceptance.k == 0 and r.output_tokens == 1
 
     asyncio.run(go())
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.tools.bench.run import Counters, HttpBackend
+from specserve.tools.bench.backends import Counters, HttpBackend
 
 
 class VllmServeBackend(HttpBackend):
@@ -46,7 +46,8 @@ class VllmServeBackend(HttpBackend):
         return env
 
     async def start(self):
-        from specserve.tools.serveproc import free_port, stream_chat
+        from specserve.ports import free_port
+        from specserve.tools.serveproc import stream_chat
 
         port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
