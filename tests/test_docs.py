@@ -4,7 +4,8 @@
   in docs/architecture.md) names a file that exists and a function, class,
   method or module-level name defined in it (read with `ast`, nothing imported);
 - every `tests/...py::test_name` names a test that exists;
-- every repository path in inline code and every relative link exists;
+- every repository path in inline code and every relative link exists, and a
+  link to a heading (`file.md#heading`) names a heading of that file;
 - no absolute machine path (/tmp/, /work/, /root/, /home/);
 - every `make X` in code names a target of the Makefile.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "cluster" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 PAIR = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py)`\s+`([A-Za-z_][\w.]*)`")
 TEST_REF = re.compile(r"`(tests/[\w/.-]+\.py)::(\w+)`")
@@ -77,6 +78,17 @@ def _code(text: str) -> tuple[list[str], list[str]]:
     """(fenced blocks, inline code spans outside them)."""
     blocks = FENCE.findall(text)
     return blocks, INLINE.findall(FENCE.sub("", text))
+
+
+def anchors(doc: Path) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings (outside code blocks)."""
+    out = set()
+    for line in FENCE.sub("", doc.read_text()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if m:
+            title = re.sub(r"[^\w\s-]", "", m.group(1).replace("`", "").lower())
+            out.add(re.sub(r"\s", "-", title))
+    return out
 
 
 def _makefile_targets() -> set[str]:
@@ -138,11 +150,14 @@ def test_paths_and_links_exist(doc):
         if REPO_PATH.match(path) and not (ROOT / path).exists():
             problems.append(f"`{span}`: no such path")
     for target in LINK.findall(text):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"^[a-z]+:", target):
             continue
-        path = target.split("#")[0]
-        if not (doc.parent / path).exists():
+        path, _, anchor = target.partition("#")
+        file = doc.parent / path if path else doc
+        if not file.exists():
             problems.append(f"link ({target}): no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            problems.append(f"link ({target}): no heading #{anchor} there")
     assert not problems, f"{_rel(doc)}:\n" + "\n".join(problems)
 
 
@@ -169,4 +184,7 @@ def test_the_checks_can_fail(tmp_path):
     assert MACHINE_PATH.search("see /tmp/x") and not MACHINE_PATH.search("~/.cache/x /v1/tmp/")
     assert MAKE.findall("make serve CONFIG=a; make bench-quick") == ["serve", "bench-quick"]
     assert "nonexistent-target" not in _makefile_targets() and "test" in _makefile_targets()
+    heads = tmp_path / "h.md"
+    heads.write_text("# Top\n## TLS on the draft → target stream\n```\n# not a heading\n```\n")
+    assert anchors(heads) == {"top", "tls-on-the-draft--target-stream"}
     assert PAIR.findall("`a/b.py` `C.d` and `x.py` `y`") == [("a/b.py", "C.d"), ("x.py", "y")]
