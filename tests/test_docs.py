@@ -7,7 +7,9 @@
 - every repository path in inline code and every relative link exists, and a
   link to a heading (`file.md#heading`) names a heading of that file;
 - no absolute machine path (/tmp/, /work/, /root/, /home/);
-- every `make X` in code names a target of the Makefile.
+- every `make X` in code names a target of the Makefile;
+- every `specserve SUBCOMMAND --flag` in code names a subcommand and its flags
+  as the CLI's parser defines them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ REPO_DIRS = ("specserve", "deployments", "tests", "cluster", "helm", "proto", "s
 REPO_PATH = re.compile(rf"^(?:{'|'.join(REPO_DIRS)})/[\w./-]*$")
 MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(?:tmp|work|root|home)/")
 MAKE = re.compile(r"(?<![\w-])make ([A-Za-z][\w-]*)")
+COMMAND = re.compile(r"^\s*(?:[\w./-]*/)?specserve ([a-z]+)\b(.*)$")
+FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
 
 
 def _rel(doc: Path) -> str:
@@ -175,6 +179,52 @@ def test_make_targets_exist(doc):
     assert not missing, f"{_rel(doc)} names make targets the Makefile lacks: {sorted(missing)}"
 
 
+def cli_commands(code: str) -> list[tuple[str, list[str]]]:
+    """(subcommand, flags) of each `specserve ...` command line in a code block,
+    continuation lines (after a backslash, or indented options) included."""
+    out: list[tuple[str, list[str]]] = []
+    lines = code.splitlines()
+    i = 0
+    while i < len(lines):
+        m = COMMAND.match(lines[i])
+        i += 1
+        if not m:
+            continue
+        text = m.group(2)
+        while i < len(lines) and (text.rstrip().endswith("\\")
+                                  or re.match(r"^\s+[\[-]", lines[i])):
+            text = text.rstrip().rstrip("\\") + " " + lines[i]
+            i += 1
+        text = text.split(" #")[0]  # a trailing comment
+        out.append((m.group(1), FLAG.findall(text)))
+    return out
+
+
+@cache
+def _cli() -> dict[str, set[str]]:
+    import argparse
+
+    from specserve.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {o for a in p._actions for o in a.option_strings}
+            for name, p in sub.choices.items()}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_cli_commands_exist(doc):
+    blocks, inline = _code(doc.read_text())
+    problems = []
+    for code in (*blocks, *inline):
+        for command, flags in cli_commands(code):
+            if command not in _cli():
+                problems.append(f"specserve {command}: no such subcommand")
+                continue
+            problems += [f"specserve {command} {f}: no such flag"
+                         for f in flags if f not in _cli()[command]]
+    assert not problems, f"{_rel(doc)}:\n" + "\n".join(problems)
+
+
 def test_the_checks_can_fail(tmp_path):
     """The checkers reject what they should (so a passing run means something)."""
     py = tmp_path / "m.py"
@@ -184,6 +234,10 @@ def test_the_checks_can_fail(tmp_path):
     assert MACHINE_PATH.search("see /tmp/x") and not MACHINE_PATH.search("~/.cache/x /v1/tmp/")
     assert MAKE.findall("make serve CONFIG=a; make bench-quick") == ["serve", "bench-quick"]
     assert "nonexistent-target" not in _makefile_targets() and "test" in _makefile_targets()
+    assert cli_commands(".venv/bin/specserve serve [C] --port P \\\n    [--api-key K]  # x --no\n"
+                        "specserve models default\nls --not-this") == [
+        ("serve", ["--port", "--api-key"]), ("models", [])]
+    assert "--port" in _cli()["serve"] and "--nope" not in _cli()["serve"]
     heads = tmp_path / "h.md"
     heads.write_text("# Top\n## TLS on the draft → target stream\n```\n# not a heading\n```\n")
     assert anchors(heads) == {"top", "tls-on-the-draft--target-stream"}
