@@ -1,4 +1,5 @@
-"""The docs name real code: README.md and docs/*.md checked against the tree.
+"""The docs name real code: README.md, docs/*.md and the READMEs in the tree
+checked against the code.
 
 - every `path/to/file.py` `Qualified.name` pair (the syntax of the request walk
   in docs/architecture.md) names a file that exists and a function, class,
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "cluster" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "cluster" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "specserve").rglob("README.md"))]
 
 PAIR = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py)`\s+`([A-Za-z_][\w.]*)`")
 TEST_REF = re.compile(r"`(tests/[\w/.-]+\.py)::(\w+)`")
