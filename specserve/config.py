@@ -67,6 +67,15 @@ def _require_non_empty(value: str | None, what: str) -> str | None:
     return value
 
 
+def check_lookahead(k: int, lookahead: int | None) -> None:
+    """W must exceed K: a draft that may run only K tokens ahead has nothing
+    waiting for the step after a fully accepted one. Raises ValueError."""
+    if k > 0 and lookahead is not None and lookahead <= k:
+        raise ValueError(f"lookahead ({lookahead}) must be greater than "
+                         f"num_speculative_tokens ({k}); raise lookahead or remove it "
+                         f"to use 2K ({2 * k})")
+
+
 class Resources(_Strict):
     """What Ray reserves for each worker of a replica."""
 
@@ -269,6 +278,30 @@ class DraftConfig(_Strict):
         return v
 
 
+class KControlConfig(_Strict):
+    """When the K controller trusts its figures and how it probes
+    (specserve/control/controller.py; the rate model is specserve/control/policy.py)."""
+
+    min_drafted_tokens: int = Field(
+        64, ge=1, description="Drafted tokens a draft pool must have had verified before its "
+                              "acceptance is trusted; until then it runs at full K.")
+    min_requests: int = Field(
+        4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
+                             "than min_drafted_tokens (drafts that never arrive in time).")
+    probe_every: int = Field(
+        16, ge=1, description="When no pool's K is above 0, every this many requests one pool "
+                              "runs at full K, so that a recovery is noticed.")
+    margin: float = Field(
+        0.03, ge=0, description="With measured step costs, speculate only when the predicted "
+                                "rate beats K=0 by this share (0.03: 3 %).")
+
+    def thresholds(self):
+        from specserve.control.policy import Thresholds
+
+        return Thresholds(self.min_drafted_tokens, self.min_requests, self.probe_every,
+                          self.margin)
+
+
 class SpeculationConfig(_Strict):
     """How far drafts run ahead and how much the target verifies per step."""
 
@@ -280,14 +313,13 @@ class SpeculationConfig(_Strict):
         None, ge=1,
         description="W: how many tokens past the last verified position a draft may run; "
                     "must be greater than K. Null: 2K.")
+    k_control: KControlConfig = Field(
+        default_factory=KControlConfig,
+        description="The K controller's thresholds: when figures are trusted, probing, margin.")
 
     @model_validator(mode="after")
     def _check(self):
-        k = self.num_speculative_tokens
-        if k > 0 and self.lookahead is not None and self.lookahead <= k:
-            raise ValueError(f"lookahead ({self.lookahead}) must be greater than "
-                             f"num_speculative_tokens ({k}); raise lookahead or remove it "
-                             f"to use 2K ({2 * k})")
+        check_lookahead(self.num_speculative_tokens, self.lookahead)
         return self
 
     def lookahead_tokens(self) -> int:

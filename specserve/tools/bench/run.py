@@ -8,7 +8,7 @@ rows (the arithmetic is in the pure `specserve.tools.bench.stats`):
                       (speculative_config method "draft_model", same K), on the
                       target's core(s); greedy only (see below);
 - specserve           a draft process streaming over gRPC to the target
-                      (LocalSpec), with adaptive K (specserve/adaptive.py);
+                      (LocalSpec), with adaptive K (specserve/control/controller.py);
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
 - specserve_http      the whole Ray Serve app (`specserve serve` in a
@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specserve.acceptance.record import Acceptance, Figures, percentile
 from specserve.tools.bench import stats as benchstats
 
 SYSTEMS = ("target_only", "vllm_draft_model", "specserve", "specserve_synthetic",
@@ -111,7 +112,7 @@ class RequestResult:
     start: float
     first: float | None
     end: float
-    spec: dict | None = None  # vLLM's per-request figures: histogram, draft_tokens
+    acceptance: Acceptance | None = None  # vLLM's per-request figures (None: not reported)
 
     @property
     def ttft(self) -> float | None:
@@ -174,13 +175,6 @@ def _totals_counters(t) -> Counters:
                     list(t.accepted_per_position), list(t.draft_per_position))
 
 
-def _spec_of(o) -> dict | None:
-    m = getattr(o, "spec_decode_metrics", None)
-    if m is None:
-        return None
-    return {"histogram": list(m.histogram), "draft_tokens": m.num_draft_tokens}
-
-
 def _sampling(params: dict):
     from vllm import SamplingParams
 
@@ -207,12 +201,12 @@ class LocalBackend:
         return _totals_counters(self.spec.totals)
 
     def extra(self) -> dict:
-        a = self.spec.adaptive
-        if a is None:
+        c = self.spec.controller
+        if c is None:
             return {}
-        fit = a.costs.fit()
-        return {"adaptive_k": {str(k): n for k, n in sorted(a.decisions.items())},
-                "adaptive_reason": a.last_reason,
+        fit = self.spec.target_engine.step_costs.fit()
+        return {"adaptive_k": {str(k): n for k, n in sorted(c.decisions.items())},
+                "adaptive_reason": c.last.reason if c.last else None,
                 "fitted_step_ms": fit and fit[0] * 1e3,
                 "fitted_ms_per_verified_token": fit and fit[1] * 1e3}
 
@@ -227,7 +221,7 @@ class LocalBackend:
 
         ids = await self.spec.generate(p.ids, _sampling(params), on_output=on_output)
         return RequestResult(p, ids, seen["o"].text, len(ids), start, seen["first"],
-                             time.monotonic(), _spec_of(seen["o"]))
+                             time.monotonic(), Acceptance.of_output(seen["o"], self.k))
 
 
 class VllmDraftModelBackend:
@@ -239,36 +233,21 @@ class VllmDraftModelBackend:
 
     def __init__(self, target: str, draft: str, k: int, settings):
         self.target, self.draft, self.k, self.settings = target, draft, k, settings
-        self.engine = None
-        self.procs: list = []
+        self.started = None
 
     async def start(self):
-        from specserve.target.engine import apply_cpu_env, cpu_binding, spec_counter_factory
-        from specserve.target.engine import target_engine_args
-        from specserve.local import start_engine
+        from specserve.target.engine import TargetEngine, cpu_binding
 
-        apply_cpu_env(self.settings)
-        args = target_engine_args(self.target, self.settings, tp=1, k=0)
-        args.speculative_config = {"method": "draft_model", "model": self.draft,
-                                   "num_speculative_tokens": self.k}
-        args.per_request_spec_decode_metrics = "summary"
-        factory, self.totals = spec_counter_factory()
-        target_cpus, _ = cpu_binding(1)
-        user_bind = "VLLM_CPU_OMP_THREADS_BIND" in os.environ
-        if target_cpus is not None and not user_bind:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus
-        try:
-            self.engine, self.procs = start_engine(args, stat_loggers=[factory])
-        finally:
-            if target_cpus is not None and not user_bind:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        self.started = TargetEngine.start(
+            self.target, self.settings, cpus=cpu_binding(1)[0],
+            speculative_config={"method": "draft_model", "model": self.draft,
+                                "num_speculative_tokens": self.k})
+        self.engine, self.totals = self.started.engine, self.started.totals
 
     async def close(self):
-        from specserve.local import shutdown_engine
-
-        if self.engine is not None:
-            shutdown_engine(self.engine, self.procs)
-            self.engine = None
+        if self.started is not None:
+            self.started.shutdown()
+            self.started = None
 
     def counters(self) -> Counters:
         return _totals_counters(self.totals)
@@ -289,7 +268,7 @@ class VllmDraftModelBackend:
                 first = time.monotonic()
         ids = list(o.token_ids)
         return RequestResult(p, ids, o.text, len(ids), start, first, time.monotonic(),
-                             _spec_of(o))
+                             Acceptance.of_output(o, self.k))
 
 
 class HttpBackend:
@@ -374,29 +353,25 @@ def summarize(system: str, concurrency: int, alpha: float | None, k: int,
         "system": system, "concurrency": concurrency, "alpha": alpha, "k": k if speculative else 0,
         "requests": len(results), "output_tokens": n, "wall_s": wall_s,
         "output_tokens_per_s": n / wall_s if wall_s > 0 else 0.0,
-        "tpot_p50_ms": benchstats.percentile(tpots, 50),
-        "tpot_p99_ms": benchstats.percentile(tpots, 99),
+        "tpot_p50_ms": percentile(tpots, 50),
+        "tpot_p99_ms": percentile(tpots, 99),
         "tpot_mean_ms": sum(tpots) / len(tpots) if tpots else None,
-        "ttft_p50_ms": benchstats.percentile(ttfts, 50),
+        "ttft_p50_ms": percentile(ttfts, 50),
         "acceptance_rate": None, "conditional_acceptance": None,
         "mean_accepted_length": None, "coverage": None, "tokens_per_step": 1.0,
         "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": [],
     }
     if speculative and c is not None:
-        steps = max(n - c.accepted_tokens, 1)
-        drafted_per_pos = c.draft_per_position
-        if drafted_per_pos is None:  # not reported: assume full windows at position 0
-            drafted_per_pos = [c.num_drafts] + [10**12] * (len(c.accepted_per_position) - 1)
+        f = Figures.of_engine(n, c.num_drafts, c.draft_tokens, c.accepted_per_position,
+                              c.draft_per_position)
         row.update({
-            "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
-            "accepted_per_position": c.accepted_per_position,
-            "acceptance_rate": (c.accepted_tokens / c.draft_tokens if c.draft_tokens else None),
-            "conditional_acceptance": benchstats.conditional_acceptance(
-                c.accepted_per_position, drafted_per_pos),
-            "mean_accepted_length": (1.0 + c.accepted_tokens / c.num_drafts
-                                     if c.num_drafts else None),
-            "coverage": c.num_drafts / steps,
-            "tokens_per_step": n / steps,
+            "draft_tokens": f.draft_tokens, "accepted_tokens": f.accepted_tokens,
+            "accepted_per_position": f.accepted_per_position,
+            "acceptance_rate": f.acceptance_rate if f.draft_tokens else None,
+            "conditional_acceptance": f.alpha if f.alpha_trials else None,
+            "mean_accepted_length": f.mean_accepted_length if f.steps_with_drafts else None,
+            "coverage": f.coverage,
+            "tokens_per_step": f.tokens_per_step,
         })
     return row
 
@@ -415,18 +390,15 @@ def category_rows(system: str, concurrency: int, alpha: float | None,
                "requests": len(rs), "output_tokens": sum(r.output_tokens for r in rs),
                "request_tokens_per_s": (sum(r.output_tokens for r in rs)
                                         / max(sum(r.end - r.start for r in rs), 1e-9)),
-               "tpot_p50_ms": benchstats.percentile(tpots, 50),
-               "ttft_p50_ms": benchstats.percentile(ttfts, 50),
+               "tpot_p50_ms": percentile(tpots, 50),
+               "ttft_p50_ms": percentile(ttfts, 50),
                "acceptance_rate": None, "mean_accepted_length": None, "coverage": None}
-        specs = [(r, r.spec) for r in rs if r.spec and r.spec["histogram"]]
-        if specs:
-            accepted = sum(sum(j * h for j, h in enumerate(s["histogram"])) for _, s in specs)
-            drafted = sum(s["draft_tokens"] for _, s in specs)
-            with_drafts = sum(sum(s["histogram"]) for _, s in specs)
-            steps = sum(r.output_tokens for r, _ in specs) - accepted
-            row.update({"acceptance_rate": accepted / drafted if drafted else None,
-                        "mean_accepted_length": 1 + accepted / with_drafts if with_drafts else None,
-                        "coverage": with_drafts / steps if steps > 0 else None})
+        records = [r.acceptance for r in rs if r.acceptance and r.acceptance.steps_with_drafts]
+        if records:
+            f = Figures.of(records)
+            row.update({"acceptance_rate": f.acceptance_rate if f.draft_tokens else None,
+                        "mean_accepted_length": f.mean_accepted_length,
+                        "coverage": f.coverage if f.steps else None})
         out.append(row)
     return out
 
