@@ -21,9 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from serving import ServeProcess, get, post  # noqa: E402
+
+from specserve.tools.serveproc import ServeProcess, get, post  # noqa: E402
 
 from specserve.tools.distill.run import eval_prompts  # noqa: E402
 

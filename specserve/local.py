@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from specserve.acceptance.record import Acceptance, Figures
-from specserve.config import check_lookahead
+from specserve.config import lookahead_problem
 from specserve.target.engine import EngineSettings, SpecTotals, TargetEngine, cpu_binding
 from specserve.tools.serveproc import free_port
 from specserve.v1 import spec_pb2, spec_pb2_grpc
@@ -75,8 +75,9 @@ class LocalSpec:
         alone. thresholds: the controller's (control.policy.Thresholds)."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
-        if draft is not None:
-            check_lookahead(k, lookahead)
+        problem = lookahead_problem(k, lookahead, "K") if draft is not None else None
+        if problem:
+            raise ValueError(problem)
         from specserve.draft.synthetic import is_synthetic, parse
 
         self.target = target

@@ -1,13 +1,14 @@
 """Measuring the real system for the simulator: step-cost profiles and throughput cells.
 
-Owns the measurement harness that `specserve profile`, the calibration
-(`python -m specserve.calibrate`) and `make gpu-check` share:
+Owns the measurement harness that `python -m specserve.tools.gpucheck` runs
+(its presets: `make gpu-check` on a GPU, `--preset tiny` in the tests,
+`--preset calibrate` for the simulator's calibration, docs/calibration.md):
 
 - `run_cell`: one (system, concurrency) measurement on a running `LocalSpec`:
   n prompts through the engine with at most C in flight; output tokens per
   second, per-request latency per token, and vLLM's own spec-decode counters
   (acceptance, coverage).
-- `measure_profile`: a `specserve-profile/1` (specserve/simulate.py) for a
+- `measure_profile`: a `specserve-profile/1` (specserve/tools/simulate/profile.py) for a
   target on this hardware. Step time is the difference of two runs that differ
   only in output length (so start-up, prefill and the last step cancel):
   target-only at several batch sizes gives step_ms(tokens = batch); the

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SLOW_TARGET_ENV
-from serving import ServeProcess, get, post
+from specserve.tools.serveproc import ServeProcess, get, post
 from test_serve import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def app(tiny_models, tmp_path_factory):
         server.remember_children()
         yield server
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()
 
 
 def stats(app) -> dict:

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from conftest import SLOW_TARGET_ENV
 from fuzz_bodies import chat_bytes, completion_bytes
-from serving import ServeProcess, get, post
+from specserve.tools.serveproc import ServeProcess, get, post
 from specserve.testing.certs import SERVER_NAME, make_pki
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def app(tiny_models, tmp_path_factory):
         server.wait_ready("tiny")
         yield server
     finally:
-        server.stop()  # (a killed replica's exit codes may make serve's own code nonzero)
+        server.stop(require_clean=True)  # (a killed replica's exit codes may make serve's own code nonzero)
 
 
 @pytest.fixture(scope="module")

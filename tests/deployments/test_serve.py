@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import SLOW_TARGET_ENV
-from serving import ServeProcess, get, post
+from specserve.tools.serveproc import ServeProcess, get, post
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def app(tiny_models, tmp_path_factory):
         server.wait_ready("tiny")
         yield server
     finally:
-        code = server.stop()
+        code = server.stop(require_clean=True)
         assert code == 0, server.tail()
 
 
@@ -223,4 +223,4 @@ def test_api_key_is_required_when_set(tiny_models, tmp_path):
             time.sleep(2)
         assert status == 200 and ok["usage"]["completion_tokens"] == 2
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()
