@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from specserve.config.base import _require_non_empty, _Strict
+from specserve.config.kcontrol import KControlConfig
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml, validation_error
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
 from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
@@ -54,17 +56,6 @@ def lookahead_problem(k: int, lookahead: int | None, k_name: str = "num_speculat
         return (f"{lookahead_name} ({lookahead}) must be greater than {k_name} ({k}); raise "
                 f"{lookahead_name} or remove it to use 2K ({2 * k})")
     return None
-
-
-class _Strict(BaseModel):
-    # extra="forbid": a misspelt key is an error, not a silently ignored setting.
-    model_config = ConfigDict(extra="forbid")
-
-
-def _require_non_empty(value: str | None, what: str) -> str | None:
-    if value is not None and not value.strip():
-        raise ValueError(f"{what} must not be empty; remove the key to use the default")
-    return value
 
 
 class Resources(_Strict):
@@ -267,30 +258,6 @@ class DraftConfig(_Strict):
         if not v.strip():
             raise ValueError("model must be a model folder path, got an empty string")
         return v
-
-
-class KControlConfig(_Strict):
-    """When the K controller trusts its figures and how it probes
-    (specserve/control/controller.py; the rate model is specserve/control/policy.py)."""
-
-    min_drafted_tokens: int = Field(
-        64, ge=1, description="Drafted tokens a draft pool must have had verified before its "
-                              "acceptance is trusted; until then it runs at full K.")
-    min_requests: int = Field(
-        4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
-                             "than min_drafted_tokens (drafts that never arrive in time).")
-    probe_every: int = Field(
-        16, ge=1, description="When no pool's K is above 0, every this many requests one pool "
-                              "runs at full K, so that a recovery is noticed.")
-    margin: float = Field(
-        0.03, ge=0, description="With measured step costs, speculate only when the predicted "
-                                "rate beats K=0 by this share (0.03: 3 %).")
-
-    def thresholds(self):
-        from specserve.control.policy import Thresholds
-
-        return Thresholds(self.min_drafted_tokens, self.min_requests, self.probe_every,
-                          self.margin)
 
 
 class SpeculationConfig(_Strict):
