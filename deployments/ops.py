@@ -71,15 +71,18 @@ async def _within(awaitable, what: str):
 
 class OpsViews:
     def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
-                 serve_status=None, metrics=None):
+                 serve_status=None, decisions=None, metrics=None):
         """serve_status(): the Serve app's {deployment: {state: count}} (default:
-        from `serve.status()`); metrics: a ServeMetrics or None."""
+        from `serve.status()`); decisions(): awaitable, the autoscaling decisions
+        (default: `specserve.control.pools.fetch`, from Ray); metrics: a
+        ServeMetrics or None."""
         self.stats = stats
         self.choice = choice
         self.target = target
         self.bounds = bounds
         self.metrics = metrics
         self._serve_status = serve_status or _serve_deployments
+        self._decisions = decisions or pools.fetch
         self._pools: tuple[float, list[dict]] = (float("-inf"), [])
 
     def record(self, r: RequestRecord) -> None:
@@ -121,7 +124,7 @@ class OpsViews:
                 _within(self.target.spec_totals.remote(), "a target replica"),
                 _within(self.target.draft_active.remote(), "a target replica"),
                 self.pool_rows(),
-                _within(pools.fetch(), "the autoscaler")))
+                _within(self._decisions(), "the autoscaler")))
         return snap
 
     async def metrics_text(self) -> str:

@@ -183,7 +183,8 @@ def test_ops_views_answer_at_once_without_a_target_replica(monkeypatch):
         target = FakeTarget(ready=False)
         target.spec_totals.hang = target.draft_active.hang = True
         r = router(target)
-        r.ops._serve_status = lambda: {}
+        r.ops._serve_status = lambda: {}  # no Ray here: Serve's status and the
+        r.ops._decisions = target.spec_totals.remote  # autoscaler are stand-ins (hanging)
         status, _, got = await asyncio.wait_for(answer(r, request("GET", "/v1/spec/stats")), 5)
         snap = json.loads(got)
         assert status == 200 and snap["target_engine"].startswith("unavailable")
