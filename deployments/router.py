@@ -70,6 +70,25 @@ def _target_failed(e: BaseException) -> ApiError:
                     type="server_error", code="target_unavailable")
 
 
+def _openai_error_shape(body: bytes, status: int) -> bytes:
+    """An error body in OpenAI's shape. vLLM's server answers almost every error
+    so, but a few come from the web framework as {"detail": ...} (a body that
+    is not UTF-8, for one); those are rewrapped, the rest pass unchanged."""
+    if status < 400:
+        return body
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return body
+    detail = data.get("detail") if isinstance(data, dict) else None
+    message = detail if isinstance(detail, str) else body.decode("utf-8", "replace")[:500]
+    return json.dumps(ApiError(status, message or f"HTTP {status}",
+                               type="invalid_request_error" if status < 500
+                               else "server_error").body()).encode()
+
+
 class _Once:
     """Calls fn the first time it is called, never again."""
 
@@ -266,7 +285,8 @@ class Router:
             finally:
                 stream.cancel()
                 release()
-            return Response(bytes(body), status_code=status, headers=headers)
+            return Response(_openai_error_shape(bytes(body), status), status_code=status,
+                            headers=headers)
 
         def free():  # a client that went away frees the engine slot
             stream.cancel()

@@ -229,3 +229,18 @@ def test_generation_routes_get_a_draft_choice(path):
         assert r.choice.last_choice is not None and target.calls[0][5] == "same"
 
     asyncio.run(go())
+
+
+def test_an_error_body_not_in_openais_shape_is_rewrapped():
+    async def go():
+        detail = b'{"detail": "There was an error parsing the body"}'
+        ok = b'{"error": {"message": "m", "type": "t", "param": null, "code": 400}}'
+        r = router(FakeTarget([FakeStream(json_answer(detail, status=400)),
+                               FakeStream(json_answer(ok, status=400))]))
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"\x00\x00"))
+        assert status == 400 and json.loads(got)["error"]["message"] == (
+            "There was an error parsing the body")
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert got == ok  # vLLM's own error bodies pass unchanged
+
+    asyncio.run(go())

@@ -232,7 +232,9 @@ def test_answers_like_vllm(vllm_server, specserve_server, name):
 REFUSED = {
     "logit_bias": (CMPL, {**G, "prompt": "Hello", "max_tokens": 6,
                           "logit_bias": {"72": 100, "200": -100}}),
-    "min_p": (CMPL, {**G, "prompt": "Hello", "max_tokens": 6, "min_p": 0.1}),
+    # (min_p means nothing to greedy sampling, so it is refused when sampling)
+    "min_p": (CMPL, {"model": MODEL, "temperature": 0.8, "prompt": "Hello", "max_tokens": 6,
+                     "min_p": 0.1}),
 }
 
 
