@@ -176,7 +176,9 @@ def run_serve(args) -> int:
     if address is not None:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False)
+        # address="local": a new cluster even where `ray start` left one running
+        # (plain ray.init() would join it, with its own resources).
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
