@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from specserve.config.base import _require_non_empty, _Strict
+from specserve.config.kcontrol import KControlConfig
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml, validation_error
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
 from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
@@ -54,17 +56,6 @@ def lookahead_problem(k: int, lookahead: int | None, k_name: str = "num_speculat
         return (f"{lookahead_name} ({lookahead}) must be greater than {k_name} ({k}); raise "
                 f"{lookahead_name} or remove it to use 2K ({2 * k})")
     return None
-
-
-class _Strict(BaseModel):
-    # extra="forbid": a misspelt key is an error, not a silently ignored setting.
-    model_config = ConfigDict(extra="forbid")
-
-
-def _require_non_empty(value: str | None, what: str) -> str | None:
-    if value is not None and not value.strip():
-        raise ValueError(f"{what} must not be empty; remove the key to use the default")
-    return value
 
 
 class Resources(_Strict):
@@ -280,6 +271,9 @@ class SpeculationConfig(_Strict):
         None, ge=1,
         description="W: how many tokens past the last verified position a draft may run; "
                     "must be greater than K. Null: 2K.")
+    k_control: KControlConfig = Field(
+        default_factory=KControlConfig,
+        description="The K controller's thresholds: when figures are trusted, probing, margin.")
 
     @model_validator(mode="after")
     def _check(self):

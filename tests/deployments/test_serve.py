@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS
+from conftest import SLOW_TARGET_ENV
 from specserve.tools.serveproc import ServeProcess, get, post
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def app(tiny_models, tmp_path_factory):
     server = ServeProcess(tiny_config(tiny_models, [("unrelated", "unrelated"),
                                                      ("same", "target")]),
                           tmp_path_factory.mktemp("serve"),
-                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
+                          env=SLOW_TARGET_ENV)
     try:
         server.wait_ready("tiny")
         yield server

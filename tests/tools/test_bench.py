@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from specserve.acceptance.record import Acceptance
 from specserve.tools.bench import report, run, workload
 from specserve.tools.bench import stats as benchstats
 from specserve.tools.bench.backends import Counters, RequestResult
@@ -40,15 +41,13 @@ def test_the_shipped_sample_parses():
 
 
 def test_percentile_and_ratio():
-    assert benchstats.percentile([3, 1, 2], 50) == 2
-    assert benchstats.percentile([1, 2], 99) == pytest.approx(1.99)
-    assert benchstats.percentile([], 50) is None
     assert benchstats.ratio(3.0, 2.0) == 1.5 and benchstats.ratio(1.0, 0.0) is None
 
 
 def result(tokens, start, first, end, cat="x"):
     return RequestResult(Prompt("q", cat, "t"), [1] * tokens, None, tokens, start, first, end,
-                         {"histogram": [1, 1, 2], "draft_tokens": 8})
+                         Acceptance(k=2, output_tokens=tokens, draft_tokens=8,
+                                    accepted_histogram=(1, 1, 2)))
 
 
 def test_summarize_rows_and_comparisons():

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from pathlib import Path
 
+from specserve.acceptance.record import Acceptance
 from specserve.tools.bench.workload import BenchArgs, Prompt
 
 
@@ -31,7 +31,7 @@ class RequestResult:
     start: float
     first: float | None
     end: float
-    spec: dict | None = None  # vLLM's per-request figures: histogram, draft_tokens
+    acceptance: Acceptance | None = None  # vLLM's per-request figures (None: not reported)
 
     @property
     def ttft(self) -> float | None:
@@ -74,13 +74,6 @@ def _totals_counters(t) -> Counters:
                     list(t.accepted_per_position), list(t.draft_per_position))
 
 
-def _spec_of(o) -> dict | None:
-    m = getattr(o, "spec_decode_metrics", None)
-    if m is None:
-        return None
-    return {"histogram": list(m.histogram), "draft_tokens": m.num_draft_tokens}
-
-
 def _sampling(params: dict):
     from vllm import SamplingParams
 
@@ -107,12 +100,12 @@ class LocalBackend:
         return _totals_counters(self.spec.totals)
 
     def extra(self) -> dict:
-        a = self.spec.adaptive
-        if a is None:
+        c = self.spec.controller
+        if c is None:
             return {}
-        fit = a.costs.fit()
-        return {"adaptive_k": {str(k): n for k, n in sorted(a.decisions.items())},
-                "adaptive_reason": a.last_reason,
+        fit = self.spec.target_engine.step_costs.fit()
+        return {"adaptive_k": {str(k): n for k, n in sorted(c.decisions.items())},
+                "adaptive_reason": c.last.reason if c.last else None,
                 "fitted_step_ms": fit and fit[0] * 1e3,
                 "fitted_ms_per_verified_token": fit and fit[1] * 1e3}
 
@@ -127,7 +120,7 @@ class LocalBackend:
 
         ids = await self.spec.generate(p.ids, _sampling(params), on_output=on_output)
         return RequestResult(p, ids, seen["o"].text, len(ids), start, seen["first"],
-                             time.monotonic(), _spec_of(seen["o"]))
+                             time.monotonic(), Acceptance.of_output(seen["o"], self.k))
 
 
 class VllmDraftModelBackend:
@@ -139,36 +132,21 @@ class VllmDraftModelBackend:
 
     def __init__(self, target: str, draft: str, k: int, settings):
         self.target, self.draft, self.k, self.settings = target, draft, k, settings
-        self.engine = None
-        self.procs: list = []
+        self.started = None
 
     async def start(self):
-        from specserve.target.engine import apply_cpu_env, cpu_binding, spec_counter_factory
-        from specserve.target.engine import target_engine_args
-        from specserve.local import start_engine
+        from specserve.target.engine import TargetEngine, cpu_binding
 
-        apply_cpu_env(self.settings)
-        args = target_engine_args(self.target, self.settings, tp=1, k=0)
-        args.speculative_config = {"method": "draft_model", "model": self.draft,
-                                   "num_speculative_tokens": self.k}
-        args.per_request_spec_decode_metrics = "summary"
-        factory, self.totals = spec_counter_factory()
-        target_cpus, _ = cpu_binding(1)
-        user_bind = "VLLM_CPU_OMP_THREADS_BIND" in os.environ
-        if target_cpus is not None and not user_bind:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus
-        try:
-            self.engine, self.procs = start_engine(args, stat_loggers=[factory])
-        finally:
-            if target_cpus is not None and not user_bind:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        self.started = TargetEngine.start(
+            self.target, self.settings, cpus=cpu_binding(1)[0],
+            speculative_config={"method": "draft_model", "model": self.draft,
+                                "num_speculative_tokens": self.k})
+        self.engine, self.totals = self.started.engine, self.started.totals
 
     async def close(self):
-        from specserve.local import shutdown_engine
-
-        if self.engine is not None:
-            shutdown_engine(self.engine, self.procs)
-            self.engine = None
+        if self.started is not None:
+            self.started.shutdown()
+            self.started = None
 
     def counters(self) -> Counters:
         return _totals_counters(self.totals)
@@ -189,7 +167,7 @@ class VllmDraftModelBackend:
                 first = time.monotonic()
         ids = list(o.token_ids)
         return RequestResult(p, ids, o.text, len(ids), start, first, time.monotonic(),
-                             _spec_of(o))
+                             Acceptance.of_output(o, self.k))
 
 
 class HttpBackend:

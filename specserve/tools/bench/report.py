@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specserve.acceptance.record import Figures, percentile
 from specserve.tools.bench import stats as benchstats
 from specserve.tools.bench.backends import Counters, RequestResult
 from specserve.tools.bench.workload import SYSTEMS
@@ -27,29 +28,25 @@ def summarize(system: str, concurrency: int, alpha: float | None, k: int,
         "system": system, "concurrency": concurrency, "alpha": alpha, "k": k if speculative else 0,
         "requests": len(results), "output_tokens": n, "wall_s": wall_s,
         "output_tokens_per_s": n / wall_s if wall_s > 0 else 0.0,
-        "tpot_p50_ms": benchstats.percentile(tpots, 50),
-        "tpot_p99_ms": benchstats.percentile(tpots, 99),
+        "tpot_p50_ms": percentile(tpots, 50),
+        "tpot_p99_ms": percentile(tpots, 99),
         "tpot_mean_ms": sum(tpots) / len(tpots) if tpots else None,
-        "ttft_p50_ms": benchstats.percentile(ttfts, 50),
+        "ttft_p50_ms": percentile(ttfts, 50),
         "acceptance_rate": None, "conditional_acceptance": None,
         "mean_accepted_length": None, "coverage": None, "tokens_per_step": 1.0,
         "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_position": [],
     }
     if speculative and c is not None:
-        steps = max(n - c.accepted_tokens, 1)
-        drafted_per_pos = c.draft_per_position
-        if drafted_per_pos is None:  # not reported: assume full windows at position 0
-            drafted_per_pos = [c.num_drafts] + [10**12] * (len(c.accepted_per_position) - 1)
+        f = Figures.of_engine(n, c.num_drafts, c.draft_tokens, c.accepted_per_position,
+                              c.draft_per_position)
         row.update({
-            "draft_tokens": c.draft_tokens, "accepted_tokens": c.accepted_tokens,
-            "accepted_per_position": c.accepted_per_position,
-            "acceptance_rate": (c.accepted_tokens / c.draft_tokens if c.draft_tokens else None),
-            "conditional_acceptance": benchstats.conditional_acceptance(
-                c.accepted_per_position, drafted_per_pos),
-            "mean_accepted_length": (1.0 + c.accepted_tokens / c.num_drafts
-                                     if c.num_drafts else None),
-            "coverage": c.num_drafts / steps,
-            "tokens_per_step": n / steps,
+            "draft_tokens": f.draft_tokens, "accepted_tokens": f.accepted_tokens,
+            "accepted_per_position": f.accepted_per_position,
+            "acceptance_rate": f.acceptance_rate if f.draft_tokens else None,
+            "conditional_acceptance": f.alpha if f.alpha_trials else None,
+            "mean_accepted_length": f.mean_accepted_length if f.steps_with_drafts else None,
+            "coverage": f.coverage,
+            "tokens_per_step": f.tokens_per_step,
         })
     return row
 
@@ -68,18 +65,15 @@ def category_rows(system: str, concurrency: int, alpha: float | None,
                "requests": len(rs), "output_tokens": sum(r.output_tokens for r in rs),
                "request_tokens_per_s": (sum(r.output_tokens for r in rs)
                                         / max(sum(r.end - r.start for r in rs), 1e-9)),
-               "tpot_p50_ms": benchstats.percentile(tpots, 50),
-               "ttft_p50_ms": benchstats.percentile(ttfts, 50),
+               "tpot_p50_ms": percentile(tpots, 50),
+               "ttft_p50_ms": percentile(ttfts, 50),
                "acceptance_rate": None, "mean_accepted_length": None, "coverage": None}
-        specs = [(r, r.spec) for r in rs if r.spec and r.spec["histogram"]]
-        if specs:
-            accepted = sum(sum(j * h for j, h in enumerate(s["histogram"])) for _, s in specs)
-            drafted = sum(s["draft_tokens"] for _, s in specs)
-            with_drafts = sum(sum(s["histogram"]) for _, s in specs)
-            steps = sum(r.output_tokens for r, _ in specs) - accepted
-            row.update({"acceptance_rate": accepted / drafted if drafted else None,
-                        "mean_accepted_length": 1 + accepted / with_drafts if with_drafts else None,
-                        "coverage": with_drafts / steps if steps > 0 else None})
+        records = [r.acceptance for r in rs if r.acceptance and r.acceptance.steps_with_drafts]
+        if records:
+            f = Figures.of(records)
+            row.update({"acceptance_rate": f.acceptance_rate if f.draft_tokens else None,
+                        "mean_accepted_length": f.mean_accepted_length,
+                        "coverage": f.coverage if f.steps else None})
         out.append(row)
     return out
 

@@ -47,7 +47,7 @@ import math
 import random
 from collections import deque
 
-from specserve.tools.bench.stats import percentile
+from specserve.acceptance.record import percentile
 
 from specserve.tools.simulate.profile import Profile
 from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per_hour
