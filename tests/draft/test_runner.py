@@ -32,13 +32,15 @@ class FakeLink:
     def __init__(self):
         self.opened = {}
         self.drafts = []
+        self.branches = []  # per send: [(fork position, tokens)]
         self.closed = []
 
     def open(self, rid, prompt, k=0):
         self.opened[rid] = list(prompt)
 
-    def send_draft(self, rid, position, tokens):
+    def send_draft(self, rid, position, tokens, branches=()):
         self.drafts.append((rid, position, list(tokens)))
+        self.branches.append([(f, list(t)) for f, t in branches])
 
     def close_request(self, rid):
         self.closed.append(rid)
@@ -146,5 +148,74 @@ def test_many_requests_share_one_link_and_bad_starts_are_refused():
         with pytest.raises(ValueError):
             runner.start("r0", [1], "sink:1", 2, 2)
         await runner.close()
+
+    asyncio.run(main())
+
+
+# ---- branches ---------------------------------------------------------------------
+
+
+class BranchingModel(FakeModel):
+    """FakeModel plus alternatives: at each position the next-best tokens are
+    rule(seq) + 1, + 2, ...; a branch continues with the rule from there."""
+
+    def branches(self, tokens, fork, count, length):
+        out = []
+        for i in range(count):
+            seq = list(tokens[:fork]) + [(rule(tokens[:fork]) + 1 + i) % 50]
+            for _ in range(min(length, len(tokens) - fork - 1)):
+                seq.append(rule(seq))
+            out.append(seq[fork:])
+        return out
+
+
+def test_windows_carry_the_budgeted_branches_and_a_hit_continues_on_the_branch():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        link = FakeLink()
+        plan = BranchPlan(fan_out=2, budget=3, length=2)
+        runner = DraftRunner(BranchingModel(), link_factory=lambda a: link, branches=plan)
+        runner.start("r", [1, 2], "sink:1", lookahead=4, max_tokens=100)
+        await settle()
+        full = expected([1, 2], 4)
+        last = link.branches[-1]
+        # The budget of 3, split by the geometric rule (prior alpha 0.8): one
+        # alternative at each of the first three window positions.
+        assert [f for f, _ in last] == [2, 3, 4]
+        # Branches grow one token per draft step, up to `length`.
+        assert all(len(t) <= 1 + 2 and len(t) <= 1 + len(full) - f - 1 for f, t in last)
+        fork2 = dict(((f, t[0]), t) for f, t in last)
+        # The target accepts full[2], rejects full[3] and samples our branch's token.
+        alt = (rule(full[:3]) + 1) % 50
+        branch = fork2[(3, alt)]
+        runner._on_verified("r", 2, [full[2], alt])
+        await settle()
+        assert runner.stats.branches_taken == 1 and runner.stats.rollbacks == 1
+        # The next window starts with the branch's continuation, then drafts on.
+        pos, window = link.drafts[-1][1], link.drafts[-1][2]
+        assert pos == 4 and window[: len(branch) - 1] == branch[1:]
+        assert window == expected([1, 2, full[2], alt], 4)[4:]
+        # A rejection with a token we had no branch for restarts from the target's.
+        runner._on_verified("r", 4, [window[0], 49])
+        await settle()
+        assert runner.stats.branches_taken == 1 and runner.stats.rollbacks == 2
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_no_branches_without_a_plan_or_a_model_that_branches():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        for model, plan in ((BranchingModel(), None), (FakeModel(), BranchPlan()),
+                            (BranchingModel(), BranchPlan(fan_out=0))):
+            link = FakeLink()
+            runner = DraftRunner(model, link_factory=lambda a, link=link: link, branches=plan)
+            runner.start("r", [1, 2], "sink:1", lookahead=4, max_tokens=100)
+            await settle()
+            assert link.drafts and not any(link.branches)
+            await runner.close()
 
     asyncio.run(main())
