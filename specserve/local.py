@@ -39,7 +39,7 @@ from specserve.target.engine import (
     spec_counter_factory,
     target_engine_args,
 )
-from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
+from specserve.target.proposer import ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE
 from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
@@ -119,13 +119,16 @@ class LocalSpec:
         draft_tls=None,
         replay: list[tuple[list[int], list[int]]] | None = None,
         adaptive_k: bool = False,
+        speculation=None,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
         drafts from elsewhere; tests use it to play a draft themselves.
         tls: a specserve.tls.TlsFiles: mutual TLS between draft and sink.
         draft_tls: the draft's own files if they differ (tests: a wrong certificate).
         adaptive_k: choose each request's K in 0..k from measured step costs and
-        acceptance (specserve/adaptive.py); K = 0 runs it on the target alone."""
+        acceptance (specserve/adaptive.py); K = 0 runs it on the target alone.
+        speculation: a specserve.config.SpeculationConfig for the branches (F,
+        budget, length) and the bounded wait; None: its defaults."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         if draft is not None and lookahead <= k:
@@ -153,6 +156,9 @@ class LocalSpec:
         self.draft_failures = 0
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
+        from specserve.config import SpeculationConfig
+
+        self.speculation = speculation or SpeculationConfig(num_speculative_tokens=max(k, 1))
         self.adaptive = None
         if adaptive_k and self.k > 0:
             from specserve.control.controller import AdaptiveK
@@ -194,6 +200,10 @@ class LocalSpec:
                + (["--tls-server-name", self.draft_tls.server_name]
                   if self.draft_tls.server_name else [])
                if self.draft_tls is not None else [])
+            + ["--branch-fan-out", str(self.speculation.branch_fan_out),
+               "--branch-budget", str(self.speculation.branch_budget),
+               "--branch-len", str(self.speculation.branch_tokens()),
+               "--name", f"{self.draft}/local-0"]
             + list(extra),
             stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
         )
@@ -233,12 +243,14 @@ class LocalSpec:
         if self.k > 0:
             os.environ[ENV_ADDRESS] = "127.0.0.1:0"
             os.environ[ENV_PORT_FILE] = str(port_file)
+            os.environ[ENV_MAX_WAIT_MS] = str(self.speculation.max_wait_ms)
             if self.tls is not None:
                 self.tls.read()  # a missing file fails here, with its path
                 os.environ.update(self.tls.to_env())
         else:
             os.environ.pop(ENV_ADDRESS, None)
             os.environ.pop(ENV_PORT_FILE, None)
+            os.environ.pop(ENV_MAX_WAIT_MS, None)
 
         factory, self.totals = spec_counter_factory()
         if self.adaptive is not None:
@@ -289,9 +301,25 @@ class LocalSpec:
         if self.engine is not None:
             shutdown_engine(self.engine, self._engine_procs)
             self.engine = None
-        for var in (ENV_ADDRESS, ENV_PORT_FILE, *TLS_ENV):
+        for var in (ENV_ADDRESS, ENV_PORT_FILE, ENV_MAX_WAIT_MS, *TLS_ENV):
             os.environ.pop(var, None)
         self._tmp.cleanup()
+
+    async def sink_figures(self) -> dict[str, dict]:
+        """The target sink's counters per draft (DraftSink.Stats), {} without a sink."""
+        if self.sink_address is None:
+            return {}
+        from specserve.draft.link import _channel_factory
+
+        channel = _channel_factory(self.tls)(self.sink_address)
+        try:
+            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
+                                                                   timeout=10)
+        finally:
+            await channel.close()
+        return {d.draft: {**dict(d.counters), "waits": d.waits,
+                          "wait_seconds": d.wait_seconds, "steps": d.steps}
+                for d in msg.drafts}
 
     # ---- requests ---------------------------------------------------------------
 

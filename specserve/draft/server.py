@@ -90,7 +90,10 @@ async def serve(args) -> None:
 
         tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
         tls.read()  # a missing file fails at startup, with its path
-    runner = DraftRunner(model, tls=tls)
+    from specserve.draft.runner import BranchPlan
+
+    plan = BranchPlan(args.branch_fan_out, args.branch_budget, args.branch_len)
+    runner = DraftRunner(model, tls=tls, branches=plan, name=args.name or args.model)
     server = grpc.aio.server()
     spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
@@ -123,6 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-gib", type=int, default=None)
+    # Pre-drafted outcomes (SpeculationConfig.branch_*): F, the budget, the length.
+    p.add_argument("--branch-fan-out", type=int, default=3)
+    p.add_argument("--branch-budget", type=int, default=8)
+    p.add_argument("--branch-len", type=int, default=4)
+    p.add_argument("--name", default=None,
+                   help='"model/replica" the sinks name this draft by (default: --model)')
     # Mutual TLS to the sinks (all three files, or none: plaintext).
     p.add_argument("--tls-ca", default=None)
     p.add_argument("--tls-cert", default=None)

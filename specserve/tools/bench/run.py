@@ -206,12 +206,21 @@ class LocalBackend:
     def counters(self) -> Counters:
         return _totals_counters(self.spec.totals)
 
+    async def book(self) -> dict | None:
+        """The sink's per-draft counters added up (specserve.acceptance.branches)."""
+        from specserve.acceptance import branches
+
+        return branches.total(await self.spec.sink_figures()) if self.k > 0 else None
+
     def extra(self) -> dict:
+        syn = self.spec.synthetic
+        out = ({"synthetic_delay_ms": syn.delay_ms, "synthetic_recovery_hit": syn.recovery_hit}
+               if syn is not None else {})
         a = self.spec.adaptive
         if a is None:
-            return {}
+            return out
         fit = a.costs.fit()
-        return {"adaptive_k": {str(k): n for k, n in sorted(a.decisions.items())},
+        return {**out, "adaptive_k": {str(k): n for k, n in sorted(a.decisions.items())},
                 "adaptive_reason": a.last_reason,
                 "fitted_step_ms": fit and fit[0] * 1e3,
                 "fitted_ms_per_verified_token": fit and fit[1] * 1e3}
@@ -443,6 +452,7 @@ def add_comparisons(rows: list[dict]) -> None:
         r["speedup_vs_vllm_draft_model"] = benchstats.ratio(
             r["output_tokens_per_s"], v and v["output_tokens_per_s"])
         r["verify_step_cost"] = r["ideal_speedup"] = r["share_of_ideal"] = None
+        r["colocated_bound"] = r["share_of_colocated"] = None
         if r["system"] == "specserve_synthetic" and b and b.get("tpot_mean_ms") \
                 and r.get("tpot_mean_ms"):
             # Time of one verify step (K drafts) over one target-only step.
@@ -451,6 +461,10 @@ def add_comparisons(rows: list[dict]) -> None:
             r["ideal_speedup"] = benchstats.ideal_speedup(r["alpha"], r["k"], cost)
             r["share_of_ideal"] = benchstats.ratio(r["speedup_vs_target_only"],
                                                    r["ideal_speedup"])
+            r["colocated_bound"] = benchstats.colocated_bound(
+                r["alpha"], r["k"], cost, (r.get("synthetic_delay_ms") or 0.0) / b["tpot_mean_ms"])
+            r["share_of_colocated"] = benchstats.ratio(r["speedup_vs_target_only"],
+                                                       r["colocated_bound"])
 
 
 def pool(rounds: list[dict]) -> dict:
@@ -463,7 +477,9 @@ def pool(rounds: list[dict]) -> dict:
         out[key] = sum(r[key] for r in rounds)
     out["output_tokens_per_s"] = out["output_tokens"] / out["wall_s"]
     for key in ("tpot_p50_ms", "tpot_p99_ms", "tpot_mean_ms", "ttft_p50_ms",
-                "conditional_acceptance", "mean_accepted_length", "coverage", "tokens_per_step"):
+                "conditional_acceptance", "mean_accepted_length", "coverage", "tokens_per_step",
+                "book_alpha", "coverage_after_accepted", "coverage_after_rejected",
+                "branch_hit_rate", "wait_ms_per_step"):
         vals = [(r[key], r["output_tokens"]) for r in rounds if r.get(key) is not None]
         out[key] = (sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1)
                     if vals else None)
@@ -480,7 +496,11 @@ TABLE = [("system", "system"), ("alpha", "α"), ("concurrency", "C"), ("k", "K")
          ("ttft_p50_ms", "TTFT p50 ms"), ("acceptance_rate", "accepted/drafted"),
          ("conditional_acceptance", "cond. acceptance"),
          ("mean_accepted_length", "mean acc. len"), ("coverage", "coverage"),
-         ("ideal_speedup", "ideal ×"), ("share_of_ideal", "share of ideal")]
+         ("ideal_speedup", "ideal ×"), ("share_of_ideal", "share of ideal"),
+         ("colocated_bound", "co-located ×"), ("book_alpha", "book α"),
+         ("coverage_after_accepted", "cov. after accept"),
+         ("coverage_after_rejected", "cov. after reject"),
+         ("branch_hit_rate", "branch hits"), ("wait_ms_per_step", "wait ms/step")]
 
 CATEGORY_TABLE = [("system", "system"), ("alpha", "α"), ("concurrency", "C"),
                   ("category", "category"), ("request_tokens_per_s", "tok/s per request"),
@@ -541,6 +561,7 @@ class BenchArgs:
     seed: int = 0
     ignore_eos: bool = True
     synthetic_delay_ms: float = 0.0
+    synthetic_recovery_hit: float = 0.6
 
 
 def load_workload(a: BenchArgs, tokenizer, max_model_len: int) -> tuple[list[Prompt], int]:
@@ -580,8 +601,9 @@ def _backends(a: BenchArgs, replay, workdir: Path):
                 a.target, a.draft, k=a.k, lookahead=2 * a.k, settings=s, adaptive_k=True))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
-                spec = f"synthetic:{alpha:g}" + (f"@{a.synthetic_delay_ms:g}ms"
-                                                 if a.synthetic_delay_ms else "")
+                spec = (f"synthetic:{alpha:g}"
+                        + (f"@{a.synthetic_delay_ms:g}ms" if a.synthetic_delay_ms else "")
+                        + f",h{a.synthetic_recovery_hit:g}")
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
                     "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, lookahead=2 * a.k,
                                                      settings=s, replay=replay()), alpha)))
@@ -597,6 +619,7 @@ async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: di
     for c in a.concurrency:
         await backend.generate(prompts[0], {**params, "max_tokens": min(8, a.max_tokens)})
         before = backend.counters()
+        book_before = await backend.book() if hasattr(backend, "book") else None
         label = backend.system + (f" α={backend.alpha:g}" if backend.alpha is not None else "")
         results, wall = await run_level(
             backend, prompts, c, params,
@@ -607,6 +630,10 @@ async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: di
         row = summarize(backend.system, c, backend.alpha, backend.k, results, wall, counters,
                         speculative)
         row.update(backend.extra())
+        if book_before is not None:
+            from specserve.acceptance import branches
+
+            row.update(branches.figures(branches.minus(await backend.book(), book_before)))
         if reference is not None:
             bad = [r for r in results if reference.get(r.prompt.question_id) is not None
                    and not _same(r, reference[r.prompt.question_id])]
@@ -760,7 +787,11 @@ def add_arguments(p, positive_int, temperature) -> None:
     p.add_argument("--synthetic-alpha", type=float, nargs="+", dest="alphas",
                    help="acceptance A of the synthetic draft rows, one row per A")
     p.add_argument("--synthetic-delay-ms", type=float, default=0.0,
-                   help="per-token delay of the synthetic draft (default 0: instant)")
+                   help="delay of the synthetic draft per draft step (main line and all "
+                        "branches: one step; default 0: instant)")
+    p.add_argument("--synthetic-recovery-hit", type=float, default=0.6,
+                   help="H: where the synthetic draft errs, its alternatives hold the "
+                        "target's token with this probability (default 0.6)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
@@ -793,7 +824,8 @@ def bench_args(args, target: str, draft: str | None) -> BenchArgs:
         concurrency=pick("concurrency"), alphas=alphas, k=args.num_speculative_tokens,
         systems=list(dict.fromkeys(args.systems)), rounds=pick("rounds"), dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-        ignore_eos=not args.no_ignore_eos, synthetic_delay_ms=args.synthetic_delay_ms)
+        ignore_eos=not args.no_ignore_eos, synthetic_delay_ms=args.synthetic_delay_ms,
+        synthetic_recovery_hit=args.synthetic_recovery_hit)
 
 
 def write_outputs(report: dict, json_path: str | None, plot_path: str | None) -> Path:
