@@ -50,32 +50,99 @@ class DraftModel(Protocol):
 
 
 class VllmDraftModel:
-    """A vLLM AsyncLLM as the draft: greedy, streamed one step at a time."""
+    """A vLLM AsyncLLM as the draft: greedy, streamed one step at a time.
 
-    def __init__(self, engine, max_model_len: int):
+    With fan_out F > 0 it also branches: the main line asks vLLM for the top
+    F + 1 logprobs of every drafted token (free: the same forward pass), so the
+    next-best tokens of each position are known; a branch's continuation is one
+    more greedy request on the engine (prefix + alternative), which vLLM's
+    continuous batching runs in the same forward steps as the main lines."""
+
+    def __init__(self, engine, max_model_len: int, fan_out: int = 0):
         self.engine = engine
         self.max_model_len = max_model_len
+        self.fan_out = fan_out
+        self._alts: dict[str, dict[int, list[int]]] = {}  # request -> position -> next-best
+        self._conts: dict[tuple[str, int, int], list[int]] = {}  # (request, fork, alt) -> tokens
+        self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
 
-    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+    def _params(self, max_tokens: int, logprobs: int | None):
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
+        return SamplingParams(
             temperature=0.0,
             max_tokens=max_tokens,
             ignore_eos=True,  # the target decides where output ends
             detokenize=False,
+            logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
+
+    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+        from vllm.inputs import TokensPrompt
+
+        self.forget(request_id)  # a new segment: the old line's alternatives are void
+        alts = self._alts.setdefault(request_id, {}) if self.fan_out > 0 else None
+        params = self._params(max_tokens, self.fan_out + 1 if alts is not None else None)
         gen = self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params, segment_id)
+        pos = len(tokens)
         try:
             async for out in gen:
-                new = list(out.outputs[0].token_ids)
+                o = out.outputs[0]
+                new = list(o.token_ids)
+                if alts is not None and o.logprobs:
+                    for i, (tok, lp) in enumerate(zip(new, o.logprobs)):
+                        ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)
+                        alts[pos + i] = [t for t, _ in ranked if t != tok][: self.fan_out]
+                pos += len(new)
                 if new:
                     yield new
         finally:
             await gen.aclose()  # aborts the vLLM request if we stopped early
+
+    def branches(self, request_id, tokens, fork, count, length):
+        """The next-best tokens at `fork`, each with as much of its continuation
+        as the engine has drafted so far (started on first request)."""
+        out = []
+        for alt in self._alts.get(request_id, {}).get(fork, [])[:count]:
+            key = (request_id, fork, alt)
+            if key not in self._tasks:
+                self._conts[key] = []
+                self._tasks[key] = asyncio.get_running_loop().create_task(
+                    self._continue(key, list(tokens[:fork]) + [alt], length))
+            out.append([alt, *self._conts.get(key, [])])
+        return out
+
+    async def _continue(self, key, prefix: list[int], length: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid, fork, alt = key
+        gen = self.engine.generate(TokensPrompt(prompt_token_ids=prefix),
+                                   self._params(length, None), f"{rid}@{fork}:{alt}")
+        try:
+            async for out in gen:
+                if key not in self._conts:
+                    return
+                self._conts[key].extend(out.outputs[0].token_ids)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await gen.aclose()
+
+    def forget(self, request_id: str, before: int | None = None) -> None:
+        """Drop a request's alternatives and branches (those forking before
+        `before` only, when given) and stop their continuations."""
+        alts = self._alts.get(request_id)
+        if alts is not None:
+            for p in [p for p in alts if before is None or p < before]:
+                del alts[p]
+            if before is None:
+                del self._alts[request_id]
+        for key in [k for k in self._tasks if k[0] == request_id
+                    and (before is None or k[1] < before)]:
+            self._tasks.pop(key).cancel()
+            self._conts.pop(key, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +275,9 @@ class DraftRunner:
             return False
         req.cancelled = True
         req.changed.set()
+        forget = getattr(self.model, "forget", None)
+        if forget is not None:
+            forget(rid)
         if req.task is not None:
             req.task.cancel()
         req.link.close_request(rid)
@@ -336,11 +406,14 @@ class DraftRunner:
             return []
         plan = self.plan
         counts = fan_out(self.stats.alpha, len(req.tokens) - v, plan.budget, plan.fan_out)
+        forget = getattr(self.model, "forget", None)
+        if forget is not None:
+            forget(req.id, before=v)  # their positions are verified
         out: list[tuple[int, list[int]]] = []
         req.branches = {}
         for j, count in enumerate(counts):
             if count:
-                for b in self.model.branches(req.tokens, v + j, count, plan.length):
+                for b in self.model.branches(req.id, req.tokens, v + j, count, plan.length):
                     out.append((v + j, b))
                     req.branches[(v + j, b[0])] = b
         self.stats.branches_sent += len(out)

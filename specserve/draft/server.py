@@ -83,7 +83,8 @@ async def serve(args) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine = AsyncLLM.from_engine_args(draft_engine_args(args.model, settings))
-        model = VllmDraftModel(engine, engine.model_config.max_model_len)
+        model = VllmDraftModel(engine, engine.model_config.max_model_len,
+                               fan_out=args.branch_fan_out if args.branch_budget > 0 else 0)
     tls = None
     if args.tls_ca:
         from specserve.tls import TlsFiles

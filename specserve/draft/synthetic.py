@@ -239,7 +239,7 @@ class SyntheticDraftModel:
                    for q in range(p, p + n)]
             p += n
 
-    def branches(self, tokens: Sequence[int], fork: int, count: int,
+    def branches(self, request_id: str, tokens: Sequence[int], fork: int, count: int,
                  length: int) -> list[list[int]]:
         """`count` branches forking at `fork` of the main line `tokens`: an
         alternative, then the main line's own draws for the positions after it,

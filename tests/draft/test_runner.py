@@ -159,7 +159,7 @@ class BranchingModel(FakeModel):
     """FakeModel plus alternatives: at each position the next-best tokens are
     rule(seq) + 1, + 2, ...; a branch continues with the rule from there."""
 
-    def branches(self, tokens, fork, count, length):
+    def branches(self, request_id, tokens, fork, count, length):
         out = []
         for i in range(count):
             seq = list(tokens[:fork]) + [(rule(tokens[:fork]) + 1 + i) % 50]
@@ -217,5 +217,60 @@ def test_no_branches_without_a_plan_or_a_model_that_branches():
             await settle()
             assert link.drafts and not any(link.branches)
             await runner.close()
+
+    asyncio.run(main())
+
+
+def test_the_vllm_draft_model_branches_from_its_logprobs():
+    """VllmDraftModel with a fake engine: alternatives come from the main line's
+    logprobs, continuations from one more engine request per branch."""
+    import types
+
+    from specserve.draft.runner import VllmDraftModel
+
+    class Lp:
+        def __init__(self, logprob):
+            self.logprob = logprob
+
+    class Engine:
+        def __init__(self):
+            self.requests = []
+
+        async def generate(self, prompt, params, request_id):
+            seq = list(prompt["prompt_token_ids"])
+            self.requests.append((request_id, len(seq), params.logprobs))
+            for _ in range(params.max_tokens):
+                await asyncio.sleep(0)
+                tok = rule(seq)
+                lps = None
+                if params.logprobs:
+                    lps = [{tok: Lp(-0.1), (tok + 1) % 50: Lp(-1.0), (tok + 2) % 50: Lp(-2.0)}]
+                seq.append(tok)
+                yield types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                    token_ids=[tok], logprobs=lps)])
+
+    async def main():
+        from specserve.draft.runner import BranchPlan
+
+        engine = Engine()
+        model = VllmDraftModel(engine, 1000, fan_out=2)
+        link = FakeLink()
+        runner = DraftRunner(model, link_factory=lambda a: link,
+                             branches=BranchPlan(fan_out=2, budget=2, length=2))
+        runner.start("r", [1, 2], "sink:1", lookahead=3, max_tokens=100)
+        for _ in range(5):
+            await settle()
+        main_line = expected([1, 2], 3)
+        assert engine.requests[0][2] == 3  # top F + 1 logprobs on the main line
+        alt = (main_line[2] + 1) % 50
+        # Branch continuations ran as their own engine requests ...
+        assert any(rid.startswith("r@2:") for rid, _, _ in engine.requests)
+        # ... and later windows carry them, continued by the model's own rule.
+        sent = dict(((f, t[0]), t) for f, t in link.branches[-1])
+        assert (2, alt) in sent
+        assert sent[(2, alt)][1:] == expected([1, 2, alt], 2)[3:][: len(sent[(2, alt)]) - 1]
+        runner.cancel("r")
+        assert not model._tasks and not model._alts
+        await runner.close()
 
     asyncio.run(main())

@@ -78,14 +78,14 @@ def test_branches_follow_the_main_line_and_grow_with_it():
     seq = [1, 2, *range(10, 30)]
     main = [1, 2] + [synthetic.drafted_token(seq[q], 0.5, 0, digest, q, 320) for q in range(2, 8)]
     for fork in range(2, 8):
-        bs = model.branches(main, fork, 2, length=3)
+        bs = model.branches("r", main, fork, 2, length=3)
         assert len(bs) == 2 and all(b[0] != main[fork] for b in bs)
         # Continued by the main line's own draws, only as far as it is drafted.
         assert all(b[1:] == main[fork + 1 : fork + 4] for b in bs)
         if main[fork] != seq[fork]:  # corrupted, H = 1: the target's token is offered
-            assert any(b[0] == seq[fork] for b in model.branches(main, fork, 4, 3))
-    assert model.branches(main, 1, 2, 3) == [] and model.branches(main, 8, 2, 3) == []
-    assert model.branches([7, 7, 7], 2, 2, 3) == []  # unknown prompt
+            assert any(b[0] == seq[fork] for b in model.branches("r", main, fork, 4, 3))
+    assert model.branches("r", main, 1, 2, 3) == [] and model.branches("r", main, 8, 2, 3) == []
+    assert model.branches("r", [7, 7, 7], 2, 2, 3) == []  # unknown prompt
 
 
 def test_replay_lookup_and_divergence(tmp_path):
