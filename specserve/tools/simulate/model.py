@@ -29,6 +29,16 @@ The model follows the real system's mechanics (DESIGN.md, specserve/draft/runner
   draft rolls back: it restarts from the verified history (a segment restart,
   `draft.restart_ms`). A draft that reaches W ahead stops its segment; it restarts
   (same cost) when the target verifies more.
+- Branches (pre-drafted outcomes, specserve/target/book.py): when a verify step
+  rejects a drafted token, with probability `branch_hit` (the measured branch
+  hit rate: the draft's alternatives held the target's token and the budget
+  covered that position) the draft had already drafted that outcome: the next
+  step finds the branch's continuation waiting (as far as the main line had
+  got past the position, at most `branch_len` tokens, each right with
+  probability alpha), and the draft goes on from the branch's end.
+- The bounded wait: a step that would run a row draftless right after its
+  rejection (no branch) may be held for fresh drafts, at most `max_wait_ms` and
+  only as long as the rate model says it pays (specserve.control.policy.wait_bound).
 - Co-located baseline (vLLM `draft_model`): no draft pool; the draft runs on the
   target's GPUs at the target's TP, K draft steps before every verify step, so
   drafts are always waiting (coverage 1) and every step pays K draft steps.
@@ -201,6 +211,9 @@ class Scenario:
     prompt_len: int = 128
     output_len: int = 128
     colocated: bool = False      # vLLM draft_model: the draft on the target's GPUs
+    branch_hit: float = 0.0      # share of rejections whose outcome a branch pre-drafted
+    branch_len: int | None = None  # tokens a branch continues (None: K)
+    max_wait_ms: float = 0.0     # bounded wait after a rejection without a branch (0: none)
     seed: int = 0
     ttft_slo_ms: float = 2000.0  # goodput counts requests within both objectives
     tpot_slo_ms: float = 200.0
@@ -213,6 +226,10 @@ class Scenario:
             raise ValueError("drafts and k must be >= 0")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.branch_hit <= 1.0:
+            raise ValueError(f"branch_hit must be in [0, 1], got {self.branch_hit}")
+        if self.max_wait_ms < 0 or (self.branch_len is not None and self.branch_len < 1):
+            raise ValueError("max_wait_ms must be >= 0 and branch_len >= 1")
         if self.rtt_ms < 0:
             raise ValueError("rtt_ms must be >= 0")
         if (self.concurrency is None) == (self.rate_per_s is None):
@@ -260,6 +277,14 @@ class Result:
     draft_busy: float
     rollbacks: int
     cost_per_hour: float | None = None
+    rejections: int = 0          # request-steps that rejected a drafted token
+    branch_hits: int = 0         # ... whose next step found a pre-drafted branch
+    waits: int = 0               # target steps held by the bounded wait
+    wait_ms: float = 0.0         # ... in all
+
+    @property
+    def branch_hit_rate(self) -> float | None:
+        return self.branch_hits / self.rejections if self.rejections else None
 
     @property
     def coverage(self) -> float:
@@ -289,7 +314,7 @@ class Result:
         d["scenario"] = dataclasses.asdict(self.scenario)
         d["mode"] = self.scenario.mode
         for name in ("coverage", "acceptance_rate", "mean_accepted_length",
-                     "tokens_per_request_step", "goodput_tokens_per_dollar"):
+                     "tokens_per_request_step", "goodput_tokens_per_dollar", "branch_hit_rate"):
             d[name] = getattr(self, name)
         return d
 
@@ -345,7 +370,8 @@ class _Run:
 
 class _Request:
     __slots__ = ("id", "arrival", "target", "draft", "emitted", "first_token", "finish",
-                 "run", "known", "started", "prefilled", "needs_restart", "view", "inbox")
+                 "run", "known", "started", "prefilled", "needs_restart", "view", "inbox",
+                 "rejected")
 
     def __init__(self, rid: int, arrival: float):
         self.id = rid
@@ -364,6 +390,7 @@ class _Request:
         # target side: drafts received, as (arrival time, run, end), latest last
         self.view: tuple[_Run, int] | None = None
         self.inbox: deque = deque()
+        self.rejected = False  # its last step rejected a drafted token
 
 
 _ARRIVE, _DRAFT_START, _DRAFT_END, _VERIFIED, _TARGET_START, _TARGET_END = range(6)
@@ -392,7 +419,11 @@ class _Sim:
         # counters
         self.request_steps = self.steps_with_drafts = self.drafted = self.accepted = 0
         self.target_steps = self.rollbacks = 0
+        self.branch_hits = self.rejections = self.waits = 0
+        self.wait_ms = 0.0
         self.t_busy_ms = self.d_busy_ms = 0.0
+        self.t_waited = [False] * m  # this target's next start already waited
+        self.last_step_ms = [0.0] * m
 
     # events: (time, priority, seq, kind, payload); a target step starts after
     # everything else that happens at the same instant (drafts arriving just in time).
@@ -541,6 +572,18 @@ class _Sim:
             flags = self.proposals(r) if sc.k > 0 else []
             decode.append((r, flags))
             tokens += 1 + len(flags)
+        if self.use_pool and sc.max_wait_ms > 0 and not self.t_waited[t]:
+            misses = sum(1 for r, f in decode if r.rejected and not f)
+            wait = self.wait_bound(t, len(decode), misses)
+            if wait > 0:
+                # Hold the step for fresh drafts (the sink's bounded wait).
+                self.t_waited[t] = True
+                self.waits += 1
+                self.wait_ms += wait
+                self.t_start_pending[t] = True
+                self.push(self.now + wait, _TARGET_START, t, priority=1)
+                return
+        self.t_waited[t] = False
         new = []
         while (waiting and len(running) + len(new) < cost.max_num_seqs
                and (not new or (len(new) + 1) * sc.prompt_len <= cost.max_prefill_tokens)):
@@ -555,6 +598,7 @@ class _Sim:
         running.extend(new)
         self.t_busy[t] = True
         self.t_busy_ms += ms
+        self.last_step_ms[t] = ms
         self.target_steps += 1
         self.push(self.now + ms, _TARGET_END, (t, decode, new))
 
@@ -577,6 +621,14 @@ class _Sim:
                 self.drafted += len(flags)
             self.accepted += accepted
             r.emitted += accepted + 1
+            # A drafted token the target decided otherwise: a rejection, or a
+            # bonus token the draft's window had wrong (a branch covers both).
+            r.rejected = accepted < len(flags) or (
+                flags and not r.run.agrees_before(r.emitted))
+            if r.rejected:
+                self.rejections += 1
+                if self.rng.random() < sc.branch_hit:
+                    self.take_branch(r)
             updates.append((r, r.emitted))
         finished = [r for r, _ in updates if r.emitted >= sc.output_len]
         for r in finished:
@@ -593,6 +645,36 @@ class _Sim:
                     self.arrivals += 1
         self.t_busy[t] = False
         self.kick_target(t)
+
+    def take_branch(self, r: _Request) -> None:
+        """A rejection the draft had pre-drafted: its branch (as long as the main
+        line had got past the position, at most branch_len tokens) is at the
+        target now, and the draft goes on from its end."""
+        sc = self.sc
+        rejected_at = r.emitted - 1  # the target's own token stands here
+        length = min(sc.branch_len or sc.k, max(r.run.end - rejected_at - 1, 0),
+                     sc.output_len - r.emitted)
+        run = _Run(r.emitted)
+        for _ in range(length):
+            run.append(self.rng.random() < sc.alpha)
+        r.run = run
+        r.needs_restart = True
+        r.inbox.clear()
+        r.view = (run, run.end)
+        r.rejected = False
+        self.branch_hits += 1
+
+    def wait_bound(self, t: int, rows: int, misses: int) -> float:
+        """The sink's bound (ms), from the same rate model, with this draft's speed."""
+        if not misses or self.p.draft is None:
+            return 0.0
+        from specserve.control.policy import wait_bound
+
+        step_ms = self.last_step_ms[t] or self.p.target.step(rows, rows)
+        draft_ms = self.p.draft.step(max(len(self.d_requests[0]) if self.d_requests else 1, 1)) \
+            + self.sc.rtt_ms
+        return 1e3 * wait_bound(self.sc.alpha, self.sc.k, rows, misses, step_ms / 1e3,
+                                draft_ms / 1e3, max_wait_s=self.sc.max_wait_ms / 1e3)
 
     # ---- result ----
 
@@ -619,7 +701,8 @@ class _Sim:
             target_steps=self.target_steps,
             target_busy=self.t_busy_ms / (makespan * sc.targets) if makespan else 0.0,
             draft_busy=self.d_busy_ms / (makespan * n_drafts) if makespan and n_drafts else 0.0,
-            rollbacks=self.rollbacks,
+            rollbacks=self.rollbacks, rejections=self.rejections,
+            branch_hits=self.branch_hits, waits=self.waits, wait_ms=self.wait_ms,
         )
 
 
