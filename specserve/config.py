@@ -286,7 +286,7 @@ class SpeculationConfig(_Strict):
                     "of its window (its next-best tokens there, each continued a few tokens), "
                     "so that the step after a rejection finds drafts waiting. 0: no branches.")
     branch_budget: int = Field(
-        8, ge=0, le=256,
+        12, ge=0, le=256,
         description="Alternatives per request in all, split over the window's positions "
                     "geometrically by the draft's acceptance (specserve.control.policy.fan_out: "
                     "more near the verified position, where rejections are likelier).")

@@ -150,7 +150,7 @@ class BranchPlan:
     """How much to pre-draft (SpeculationConfig.branch_fan_out / branch_budget / branch_len)."""
 
     fan_out: int = 3  # F: alternatives at one position at most
-    budget: int = 8  # per request, over the window
+    budget: int = 12  # per request, over the window
     length: int = 4  # continuation tokens per branch
 
     def __post_init__(self):

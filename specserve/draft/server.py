@@ -63,7 +63,7 @@ def _synthetic_model(args):
     log.info("synthetic draft %s: %d recorded prompts", args.model, len(replay))
     return synthetic.SyntheticDraftModel(
         synthetic.parse(args.model), replay, args.vocab_size, seed=args.seed,
-        max_model_len=args.max_model_len or (1 << 30))
+        max_model_len=args.max_model_len or (1 << 30), fan_out=max(args.branch_fan_out, 1))
 
 
 async def serve(args) -> None:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=None)
     # Pre-drafted outcomes (SpeculationConfig.branch_*): F, the budget, the length.
     p.add_argument("--branch-fan-out", type=int, default=3)
-    p.add_argument("--branch-budget", type=int, default=8)
+    p.add_argument("--branch-budget", type=int, default=12)
     p.add_argument("--branch-len", type=int, default=4)
     p.add_argument("--name", default=None,
                    help='"model/replica" the sinks name this draft by (default: --model)')

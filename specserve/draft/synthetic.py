@@ -51,7 +51,7 @@ CHUNK = 16
 _SPEC_RE = re.compile(r"^synthetic:(?P<alpha>[0-9]*\.?[0-9]+)(@(?P<delay>[0-9]*\.?[0-9]+)ms)?"
                       r"(,h(?P<hit>[0-9]*\.?[0-9]+))?$")
 DEFAULT_RECOVERY_HIT = 0.6
-FAN_OUT = 4  # alternatives the synthetic draft ranks at each position (F of H's definition)
+FAN_OUT = 3  # F: alternatives ranked at each position (SpeculationConfig.branch_fan_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +114,21 @@ def alternatives(true_token: int, alpha: float, hit: float, seed: int, digest: b
                  position: int, vocab_size: int, fan_out: int = FAN_OUT) -> list[int]:
     """The draft's `fan_out` next-best tokens at a position, best first: never
     its own drafted token; where that one is corrupted, the target's token is
-    among them with probability `hit`, at a uniformly drawn rank."""
+    among them with probability `hit`, at rank i with probability ∝ 1/(i + 1)."""
     main = drafted_token(true_token, alpha, seed, digest, position, vocab_size)
     h = hashlib.blake2b(struct.pack("<qqq", seed, position, 0x6272616e6368) + digest,
                         digest_size=16).digest()
     u, r = struct.unpack("<QQ", h)
     out: list[int] = []
     if main != true_token and u / 2.0**64 < hit:
-        rank = r % fan_out
+        # Rank i with probability ∝ 1/(i + 1): a draft's next-best token is
+        # likelier the better it ranks, so fewer alternatives find it less often.
+        weights = [1.0 / (i + 1) for i in range(fan_out)]
+        x = (r & 0xFFFFFFFF) / 2.0**32 * sum(weights)
+        rank = 0
+        while rank < fan_out - 1 and x >= weights[rank]:
+            x -= weights[rank]
+            rank += 1
     else:
         rank = -1
     step = 0
@@ -211,13 +218,14 @@ class SyntheticDraftModel:
     """
 
     def __init__(self, spec: SyntheticSpec, replay: Replay, vocab_size: int, seed: int = 0,
-                 max_model_len: int = 1 << 30):
+                 max_model_len: int = 1 << 30, fan_out: int = FAN_OUT):
         self.spec = spec
         self.replay = replay
         self.vocab_size = vocab_size
         self.seed = seed
         self.max_model_len = max_model_len
         self.unknown_prompts = 0
+        self.fan_out = max(fan_out, 1)  # F: H is the chance the top F hold the target's token
 
     async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
         found = self.replay.find(tokens)
@@ -253,7 +261,7 @@ class SyntheticDraftModel:
             return []
         a = self.spec.alpha
         alts = alternatives(seq[fork], a, self.spec.recovery_hit, self.seed, digest, fork,
-                            self.vocab_size)[:count]
+                            self.vocab_size, self.fan_out)[:count]
         end = min(fork + 1 + length, len(tokens), len(seq))
         cont = [drafted_token(seq[q], a, self.seed, digest, q, self.vocab_size)
                 for q in range(fork + 1, end)]
