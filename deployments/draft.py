@@ -26,10 +26,12 @@ SINK_LOST_S = 30.0
 
 
 class DraftServer:
-    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
+    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None,
+                 speculation: dict | None = None):
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from specserve.draft.runner import DraftRunner, VllmDraftModel
+        from specserve.config import SpeculationConfig
+        from specserve.draft.runner import BranchPlan, DraftRunner, VllmDraftModel
         from specserve.target.engine import (
             apply_cpu_env,
             cpu_binding,
@@ -53,8 +55,14 @@ class DraftServer:
         tls = TlsFiles.from_config(grpc_tls)
         if tls is not None:
             tls.read()  # a missing file fails the replica here, with its path
-        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len),
-                                  tls=tls)
+        spec = SpeculationConfig.model_validate(speculation or {})
+        # Pre-drafted outcomes: top-F alternatives from the engine's logprobs,
+        # continued as batched engine requests (cheap on an accelerator).
+        plan = BranchPlan(spec.branch_fan_out, spec.branch_budget, spec.branch_tokens())
+        self.runner = DraftRunner(
+            VllmDraftModel(self.engine, self.engine.model_config.max_model_len,
+                           fan_out=plan.fan_out if plan.active else 0),
+            tls=tls, branches=plan, name=f"{self.config.name}/{replica_name()}")
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0):

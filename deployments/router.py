@@ -21,6 +21,7 @@ from specserve import openai_api as api
 from specserve.control import policy
 from specserve.control import pools
 from specserve.config import AppConfig
+from specserve.acceptance import branches
 from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
 
 log = logging.getLogger("specserve.router")
@@ -204,12 +205,19 @@ class Router:
                 # and each draft pool's active drafting requests.
                 snap["router_inflight"] = sum(self.inflight.values())
                 snap["draft_active"] = await self.target.draft_active.remote()
+                # The step after a rejection, per draft replica, from the target's
+                # draft book (specserve.acceptance.branches): branch hit rate,
+                # coverage after an accepted step vs after a rejection, wait per step.
+                counters = await self.target.branch_counters.remote()
+                snap["branches"] = {d: branches.figures(c) for d, c in sorted(counters.items())}
                 return _json(snap)
             if route == ("GET", "/metrics"):
                 from starlette.responses import PlainTextResponse
 
                 text = prometheus_text(self.stats, time.time())
                 text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
+                text += "\n".join(branches.prometheus_lines(
+                    await self.target.branch_counters.remote())) + "\n"
                 return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
             if route == ("POST", "/v1/completions"):
                 return await self._complete("completion", request)

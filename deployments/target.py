@@ -50,7 +50,7 @@ class TargetServer:
             target_engine_args,
         )
         from specserve.models import ensure_default_model
-        from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
+        from specserve.target.proposer import ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE
 
         self.config = AppConfig.model_validate(config)
         logs.to_stderr("target")
@@ -70,6 +70,7 @@ class TargetServer:
         if self.k > 0:
             os.environ[ENV_ADDRESS] = f"0.0.0.0:{t.sink_port}"
             os.environ[ENV_PORT_FILE] = str(port_file)
+            os.environ[ENV_MAX_WAIT_MS] = str(self.config.speculation.max_wait_ms)
             tls = TlsFiles.from_config(self.config.grpc_tls)
             if tls is not None:
                 tls.read()  # a missing file fails here, with its path
@@ -181,6 +182,30 @@ class TargetServer:
                 "running": t.running,
                 # measured decode step cost, None until enough steps were seen
                 "step_cost": self.step_costs.as_dict()}
+
+    async def branch_counters(self) -> dict:
+        """The sink's draft-book counters per draft ("model/replica"): branches,
+        coverage after each outcome, the bounded wait (specserve.acceptance.branches)."""
+        if self.sink_address is None:
+            return {}
+        import grpc
+
+        from specserve.draft.link import _channel_factory
+        from specserve.tls import TlsFiles
+        from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+        port = self.sink_address.rsplit(":", 1)[1]
+        channel = _channel_factory(TlsFiles.from_config(self.config.grpc_tls))(f"127.0.0.1:{port}")
+        try:
+            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
+                                                                   timeout=10)
+        except grpc.aio.AioRpcError as e:
+            log.warning("sink stats unavailable: %s", e.code().name)
+            return {}
+        finally:
+            await channel.close()
+        return {d.draft: {**dict(d.counters), "waits": d.waits, "wait_seconds": d.wait_seconds,
+                          "steps": d.steps} for d in msg.drafts}
 
     async def draft_active(self) -> dict:
         """Requests each draft pool is drafting for now (from one replica of each)."""
