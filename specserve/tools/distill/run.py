@@ -503,6 +503,45 @@ def evaluate_alpha(model, eval_data: list[dict]) -> float:
     return agree / total if total else float("nan")
 
 
+def recovery_hits(ranked, target_next, fan_outs=(1, 2, 3, 4)) -> tuple[dict[int, int], int]:
+    """Where the draft's greedy token (ranked[i][0]) is not the target's
+    (target_next[i]): how often the target's token is among the draft's F
+    next-best (ranked[i][1 : F + 1]), per F; and how many such positions. This is
+    the recovery hit rate H of a branch budget of F alternatives per position."""
+    hits = {f: 0 for f in fan_outs}
+    misses = 0
+    for r, t in zip(ranked, target_next):
+        if r[0] == t:
+            continue
+        misses += 1
+        rank = r.index(t) if t in r else None  # 1 = the best alternative
+        for f in fan_outs:
+            if rank is not None and 1 <= rank <= f:
+                hits[f] += 1
+    return hits, misses
+
+
+def evaluate_recovery_hit(model, eval_data: list[dict], fan_outs=(1, 2, 3, 4)) -> dict[int, float]:
+    """H at each F on held-out text: the target's token among the draft's F
+    next-best tokens, where the draft's greedy token was wrong."""
+    import torch
+
+    total = {f: 0 for f in fan_outs}
+    misses = 0
+    model.eval()
+    with torch.no_grad():
+        for s in eval_data:
+            ids = s["ids"]
+            if len(ids) - s["start"] < 1:
+                continue
+            top = draft_logits(model, ids, s["start"]).topk(max(fan_outs) + 1, dim=-1).indices
+            h, m = recovery_hits(top.tolist(), ids[s["start"]:].tolist(), fan_outs)
+            misses += m
+            for f in fan_outs:
+                total[f] += h[f]
+    return {f: total[f] / misses if misses else float("nan") for f in fan_outs}
+
+
 def trained_tensors(model, trainable: list[str]) -> dict:
     params = dict(model.named_parameters())
     return {n: params[n].detach() for n in trainable}
