@@ -11,8 +11,8 @@ Vocabulary (per draft, over a span of counters):
                           found drafts (the run-ahead keeps up)
   coverage_after_rejected share of steps after a rejection that found drafts
                           (a branch hit, or drafts within the bounded wait)
-  wait_hit_rate           rows that waited and got drafts in time / rows that
-                          could wait (rejected, no branch, no drafts)
+  wait_hit_rate           rows that got drafts within the bounded wait / rows
+                          that could wait (drafts at their last step, none now)
   wait_ms_per_step        milliseconds the proposer held steps for this draft,
                           over all steps with its rows
   book_alpha              conditional acceptance of what the book proposed,

@@ -151,7 +151,7 @@ class BookStats:
     steps_after_draftless: int = 0
     covered_after_draftless: int = 0
     branch_hits: int = 0  # steps after a rejection that found a matching branch
-    wait_rows: int = 0  # steps after a rejection with neither branch nor drafts
+    wait_rows: int = 0  # steps after a step with drafts that found none (could wait)
     wait_hits: int = 0  # ... that got drafts within the bounded wait (refill)
 
     @property
@@ -198,8 +198,9 @@ class DraftBook:
         self.stats = BookStats()
         # The same counters per stream (one stream: one draft replica).
         self.stream_stats: dict[Hashable, BookStats] = {}
-        # Rows of the last propose() that had a rejection and got nothing:
-        # (row, key), for the caller's bounded wait (see refill).
+        # Rows of the last propose() whose draft is drafting for them (their
+        # last step verified drafts) but that got nothing: (row, key), for the
+        # caller's bounded wait (see refill).
         self.misses: list[tuple[int, Hashable]] = []
         self._entries: dict[Hashable, _Entry] = {}
         # (len(V), last verified token) -> keys. Every entry is in exactly one bucket.
@@ -415,7 +416,10 @@ class DraftBook:
             entry = self._entries[key]
             proposals[i] = self._advance(key, entry, histories[i], k)
             self._note_proposal(entry, len(histories[i]), proposals[i])
-            if not proposals[i] and entry.last_outcome == REJECTED:
+            if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
+                # The draft is drafting for this row but nothing is here (it has
+                # not heard of the rejection yet, or fell behind): the bounded
+                # wait may hold the step for it.
                 self.misses.append((i, key))
             if entry.verified > entry.reported:
                 start = entry.reported
@@ -444,7 +448,7 @@ class DraftBook:
             out[i] = tokens
             self.stats.rows_with_proposals += 1
             self.stats.proposed_tokens += len(tokens)
-            self._count(entry, "covered_after_rejected")
+            self._count(entry, f"covered_after_{entry.last_outcome}")
             self._count(entry, "wait_hits")
             entry.last_start, entry.last_proposal = n, tokens
         self.misses = []
@@ -457,7 +461,7 @@ class DraftBook:
             self._count(entry, f"steps_after_{outcome}")
             if proposal:
                 self._count(entry, f"covered_after_{outcome}")
-        if not proposal and outcome == REJECTED:
+        if not proposal and outcome in (REJECTED, ACCEPTED):
             self._count(entry, "wait_rows")
         if proposal:
             self.stats.rows_with_proposals += 1

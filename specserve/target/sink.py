@@ -6,8 +6,9 @@ protobuf messages to book calls and back at this edge only.
 
 Never blocks the engine beyond a bound: `propose()` takes the lock for the
 book's in-memory matching and hands verified updates to per-stream bounded
-queues without waiting. Then, only if rows just had a rejection with no branch
-for it and the rate model says it pays (specserve.control.policy.wait_bound),
+queues without waiting. Then, only if rows that had drafts at their last step
+find none now (a rejection with no branch for it, or a draft that fell
+behind) and the rate model says it pays (specserve.control.policy.wait_bound),
 it waits at most that long for their fresh drafts (the bounded wait) and
 proposes what arrived. A draft that does not read its verified updates, or breaks a
 stream-level bound, is cut off with a gRPC status; its requests are dropped and
@@ -289,7 +290,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     if added:
                         sent = self._miss_sent.pop(key, None)
                         if sent is not None:
-                            # First fresh drafts after a rejection: the draft's speed.
+                            # First fresh drafts after a miss: the draft's speed.
                             self._draft_token_s = _ewma(
                                 self._draft_token_s, (time.monotonic() - sent) / added)
                         self._arrived.notify_all()

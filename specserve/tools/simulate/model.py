@@ -36,8 +36,9 @@ The model follows the real system's mechanics (DESIGN.md, specserve/draft/runner
   step finds the branch's continuation waiting (as far as the main line had
   got past the position, at most `branch_len` tokens, each right with
   probability alpha), and the draft goes on from the branch's end.
-- The bounded wait: a step that would run a row draftless right after its
-  rejection (no branch) may be held for fresh drafts, at most `max_wait_ms` and
+- The bounded wait: a step that would run a row draftless although its last
+  step had drafts (a rejection without a branch, or a draft that fell behind)
+  may be held for fresh drafts, at most `max_wait_ms` and
   only as long as the rate model says it pays (specserve.control.policy.wait_bound).
 - Co-located baseline (vLLM `draft_model`): no draft pool; the draft runs on the
   target's GPUs at the target's TP, K draft steps before every verify step, so
@@ -371,7 +372,7 @@ class _Run:
 class _Request:
     __slots__ = ("id", "arrival", "target", "draft", "emitted", "first_token", "finish",
                  "run", "known", "started", "prefilled", "needs_restart", "view", "inbox",
-                 "rejected")
+                 "rejected", "drafted")
 
     def __init__(self, rid: int, arrival: float):
         self.id = rid
@@ -391,6 +392,7 @@ class _Request:
         self.view: tuple[_Run, int] | None = None
         self.inbox: deque = deque()
         self.rejected = False  # its last step rejected a drafted token
+        self.drafted = False  # its last step verified drafts
 
 
 _ARRIVE, _DRAFT_START, _DRAFT_END, _VERIFIED, _TARGET_START, _TARGET_END = range(6)
@@ -573,7 +575,7 @@ class _Sim:
             decode.append((r, flags))
             tokens += 1 + len(flags)
         if self.use_pool and sc.max_wait_ms > 0 and not self.t_waited[t]:
-            misses = sum(1 for r, f in decode if r.rejected and not f)
+            misses = sum(1 for r, f in decode if r.drafted and not f)
             wait = self.wait_bound(t, len(decode), misses)
             if wait > 0:
                 # Hold the step for fresh drafts (the sink's bounded wait).
@@ -623,6 +625,7 @@ class _Sim:
             r.emitted += accepted + 1
             # A drafted token the target decided otherwise: a rejection, or a
             # bonus token the draft's window had wrong (a branch covers both).
+            r.drafted = bool(flags)
             r.rejected = accepted < len(flags) or (
                 flags and not r.run.agrees_before(r.emitted))
             if r.rejected:
