@@ -342,6 +342,11 @@ class DraftBook:
         entry = self._entries.get(key)
         return 0 if entry is None else entry.length - entry.verified
 
+    def want(self, key: Hashable, k: int) -> int:
+        """The most tokens a request can be proposed per step: k, or its own K."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else (min(k, entry.k) if entry.k else k)
+
     def close(self, key: Hashable) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:

@@ -182,7 +182,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         keys = [key for _, key in misses]
         with self._arrived:
             while True:
-                if all(self._book.pending(key) >= k for key in keys):
+                if all(self._book.pending(key) >= self._book.want(key, k) for key in keys):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
