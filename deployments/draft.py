@@ -58,7 +58,8 @@ class DraftServer:
         spec = SpeculationConfig.model_validate(speculation or {})
         # Pre-drafted outcomes: top-F alternatives from the engine's logprobs,
         # continued as batched engine requests (cheap on an accelerator).
-        plan = BranchPlan(spec.branch_fan_out, spec.branch_budget, spec.branch_tokens())
+        plan = BranchPlan(spec.branch_fan_out, spec.branch_budget, spec.branch_tokens(),
+                          positions=spec.num_speculative_tokens + 1)
         self.runner = DraftRunner(
             VllmDraftModel(self.engine, self.engine.model_config.max_model_len,
                            fan_out=plan.fan_out if plan.active else 0),

@@ -203,6 +203,7 @@ class LocalSpec:
             + ["--branch-fan-out", str(self.speculation.branch_fan_out),
                "--branch-budget", str(self.speculation.branch_budget),
                "--branch-len", str(self.speculation.branch_tokens()),
+               "--branch-positions", str(self.k + 1),
                "--name", f"{self.draft}/local-0"]
             + list(extra),
             stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,

@@ -152,6 +152,10 @@ class BranchPlan:
     fan_out: int = 3  # F: alternatives at one position at most
     budget: int = 12  # per request, over the window
     length: int = 4  # continuation tokens per branch
+    # Window positions the budget covers: those the next verify step can
+    # reject (K + 1: K drafts and the bonus position); the request's own K + 1
+    # when it has one. None: the whole window.
+    positions: int | None = None
 
     def __post_init__(self):
         if self.fan_out < 0 or self.budget < 0 or self.length < 1:
@@ -405,7 +409,12 @@ class DraftRunner:
         if self.plan is None:
             return []
         plan = self.plan
-        counts = fan_out(self.stats.alpha, len(req.tokens) - v, plan.budget, plan.fan_out)
+        span = len(req.tokens) - v
+        if req.k:
+            span = min(span, req.k + 1)
+        elif plan.positions:
+            span = min(span, plan.positions)
+        counts = fan_out(self.stats.alpha, span, plan.budget, plan.fan_out)
         forget = getattr(self.model, "forget", None)
         if forget is not None:
             forget(req.id, before=v)  # their positions are verified

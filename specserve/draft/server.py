@@ -93,7 +93,8 @@ async def serve(args) -> None:
         tls.read()  # a missing file fails at startup, with its path
     from specserve.draft.runner import BranchPlan
 
-    plan = BranchPlan(args.branch_fan_out, args.branch_budget, args.branch_len)
+    plan = BranchPlan(args.branch_fan_out, args.branch_budget, args.branch_len,
+                      args.branch_positions or None)
     runner = DraftRunner(model, tls=tls, branches=plan, name=args.name or args.model)
     server = grpc.aio.server()
     spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--branch-fan-out", type=int, default=3)
     p.add_argument("--branch-budget", type=int, default=12)
     p.add_argument("--branch-len", type=int, default=4)
+    p.add_argument("--branch-positions", type=int, default=0,
+                   help="window positions the budget covers (K + 1; 0: the whole window)")
     p.add_argument("--name", default=None,
                    help='"model/replica" the sinks name this draft by (default: --model)')
     # Mutual TLS to the sinks (all three files, or none: plaintext).

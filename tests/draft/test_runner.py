@@ -274,3 +274,19 @@ def test_the_vllm_draft_model_branches_from_its_logprobs():
         await runner.close()
 
     asyncio.run(main())
+
+
+def test_the_budget_covers_only_the_positions_the_next_step_can_reject():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        link = FakeLink()
+        runner = DraftRunner(BranchingModel(), link_factory=lambda a: link,
+                             branches=BranchPlan(fan_out=3, budget=12, length=2, positions=3))
+        runner.start("r", [1, 2], "sink:1", lookahead=8, max_tokens=100)
+        await settle()
+        forks = [f for f, _ in link.branches[-1]]
+        assert set(forks) == {2, 3, 4} and len(forks) == 9  # K + 1 = 3 positions, F each
+        await runner.close()
+
+    asyncio.run(main())
