@@ -18,7 +18,8 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.models import ensure_default_draft, ensure_default_model
-    from specserve.tools.distill.run import eval_prompts, evaluate_recovery_hit
+    from specserve.tools.distill.draft import evaluate_recovery_hit
+    from specserve.tools.distill.recipe import eval_prompts
 
     p = argparse.ArgumentParser()
     p.add_argument("--prompts", type=int, default=16)

@@ -324,7 +324,7 @@ def test_hostile_branches_keep_memory_bounded():
 def test_conditional_acceptance_is_exact_with_short_windows():
     """vLLM's per-position counters cannot tell a short window from a
     rejection; the book knows what it proposed."""
-    from specserve.tools.bench.stats import conditional_acceptance
+    from specserve.acceptance.record import position_trials
 
     b = book()
     b.open(("s", "r"), [1])
@@ -338,7 +338,7 @@ def test_conditional_acceptance_is_exact_with_short_windows():
     assert (s.steps_after_accepted, s.steps_after_rejected) == (1, 1)
     # From vLLM's counters (drafted per position [2, 1], accepted [1, 0]) the
     # estimate cannot know position 1 was never tried after the short window.
-    assert conditional_acceptance([1, 0], [2, 1]) == 1 / 3
+    assert sum([1, 0]) / sum(position_trials([1, 0], [2, 1])) == 1 / 3
 
 
 def test_stats_are_kept_per_stream_too():
