@@ -336,8 +336,14 @@ class DraftRunner:
             if req.roll_back():
                 self.stats.branches_taken += 1
             self.stats.rollbacks += 1
-        elif req.branches:
-            req.branches = {b: t for b, t in req.branches.items() if b[0] >= end}
+        else:
+            if req.branches:
+                req.branches = {b: t for b, t in req.branches.items() if b[0] >= end}
+            if self.plan is not None and len(req.tokens) > end:
+                # The window's positions moved: send branches for the new ones
+                # now (a draft that is W ahead drafts nothing until the window
+                # drains, so without this the next rejection would find none).
+                req.link.send_draft(req.id, end, req.tokens[end:], self._branches(req, end))
         req.changed.set()
 
     def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int], int]]:

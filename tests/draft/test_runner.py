@@ -290,3 +290,26 @@ def test_the_budget_covers_only_the_positions_the_next_step_can_reject():
         await runner.close()
 
     asyncio.run(main())
+
+
+def test_a_draft_ahead_of_the_window_still_sends_branches_for_the_new_positions():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        link = FakeLink()
+        runner = DraftRunner(BranchingModel(), link_factory=lambda a: link,
+                             branches=BranchPlan(fan_out=1, budget=2, length=2, positions=2))
+        runner.start("r", [1, 2], "sink:1", lookahead=6, max_tokens=100)
+        await settle()
+        full = expected([1, 2], 6)
+        drafted = runner.stats.drafted_tokens
+        # The draft stopped W ahead. The target accepts 2 tokens: right away,
+        # before drafting any new token, the draft re-sends its window from the
+        # new verified position with branches forking there.
+        runner._on_verified("r", 2, full[2:4])
+        pos, window = link.drafts[-1][1], link.drafts[-1][2]
+        assert pos == 4 and window == full[4:] and runner.stats.drafted_tokens == drafted
+        assert [f for f, _ in link.branches[-1]] == [4, 5]
+        await runner.close()
+
+    asyncio.run(main())

@@ -58,9 +58,10 @@ def slow_target_env():
 
 class HostileDraft(threading.Thread):
     """A draft stream that opens the real requests' prompts and, whenever the sink
-    reports verified tokens, drafts the target's true next token (it knows the
-    reference output) followed by random tokens: its garbage is proposed to the
-    real requests' rows and reaches the target's verifier at (almost) every step."""
+    reports verified tokens, drafts random tokens with a branch that knows the
+    target's true next token (it knows the reference output), continued with
+    random tokens: the branch matches the real requests' rows after every
+    rejection, and its garbage reaches the target's verifier at (almost) every step."""
 
     def __init__(self, address, prompts_ids, answers, vocab, seed=0):
         super().__init__(daemon=True)
@@ -97,22 +98,21 @@ class HostileDraft(threading.Thread):
             pass
 
     def garbage(self, rid):
+        """Wrong tokens from the verified position on, and a branch forking
+        right there with the target's true next token, then garbage: the step
+        that rejects the window takes the branch and verifies its garbage."""
         n = len(self.history[rid])
         answer = self.answers[rid]
-        truth = answer[n : n + 1]
-        junk = self.rng.integers(0, self.vocab, 6).tolist()
+        junk = self.rng.integers(0, self.vocab, 7).tolist()
         branches = []
-        if n + 1 < len(answer) and junk[0] != answer[n + 1]:
-            # The target rejects junk[0] and samples its own token: this branch
-            # matches, and proposes garbage.
+        if n < len(answer) and junk[0] != answer[n]:
             branches.append(spec_pb2.Branch(
-                fork_position=n + 1,
-                token_ids=[answer[n + 1], *self.rng.integers(0, self.vocab, 6).tolist()]))
+                fork_position=n, token_ids=[answer[n], *self.rng.integers(0, self.vocab, 6).tolist()]))
         for _ in range(40):  # past the per-request bound, at unknown positions, too long
             branches.append(spec_pb2.Branch(
                 fork_position=int(self.rng.integers(0, n + 16)),
                 token_ids=self.rng.integers(0, self.vocab, int(self.rng.integers(1, 40))).tolist()))
-        self.send(draft=spec_pb2.DraftTokens(request_id=rid, position=n, token_ids=truth + junk,
+        self.send(draft=spec_pb2.DraftTokens(request_id=rid, position=n, token_ids=junk,
                                              branches=branches))
 
     def stop(self):
