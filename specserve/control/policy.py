@@ -243,28 +243,36 @@ MAX_WAIT_S = 0.25  # no configuration waits longer than this per step
 def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float,
                draft_token_s: float | None, cost: StepCost | None = None,
                coverage: float = 1.0, max_wait_s: float = MAX_WAIT_S,
+               first_token_s: float | None = None,
                margin: float = Thresholds.margin) -> float:
     """Seconds the proposer may hold a verify step for fresh drafts.
 
     `waiting_rows` of the batch's `rows` just had a rejection and found no
     branch; the draft hears the target's token now and produces a token every
     `draft_token_s` seconds (measured: the first fresh draft after a
-    rejection). Waiting j · draft_token_s gives each of them j drafts, i.e.
+    rejection; the first of them `first_token_s` after the verified tokens
+    went out, round trip included, when known). Waiting
+    w_j = first_token_s + (j − 1) · draft_token_s (or j · draft_token_s) gives
+    each of them j drafts, i.e.
     E(α, j) − 1 more tokens this step, and delays every row by as long: with a
     step of `step_s` seconds (a + b · tokens; `cost` gives b, else the V_IDLE
     floor), the batch emits
 
         X  = (rows − m) (1 + cov (E(α, K) − 1)) + m      tokens in step_s
-        X' = X + m (E(α, j) − 1)                           in step_s + j·d + b·m·j
+        X' = X + m (E(α, j) − 1)                           in step_s + w_j + b·m·j
 
-    The bound is the j · d with the best X'/time, if it beats X/step_s by
+    The bound is the w_j with the best X'/time, if it beats X/step_s by
     `margin`; otherwise 0. So it is 0 for poor drafts, big batches (the others'
     delay outweighs), slow drafts and unknown draft speed; never above
     max_wait_s."""
     m = min(max(waiting_rows, 0), max(rows, 0))
-    if m == 0 or k <= 0 or alpha <= 0.0 or step_s <= 0.0 or not draft_token_s \
-            or draft_token_s <= 0.0 or max_wait_s <= 0.0:
+    if m == 0 or k <= 0 or alpha <= 0.0 or step_s <= 0.0 or draft_token_s is None \
+            or draft_token_s < 0.0 or max_wait_s <= 0.0:
         return 0.0
+    if first_token_s is None:
+        if draft_token_s <= 0.0:
+            return 0.0
+        first_token_s = draft_token_s
     if cost is not None and cost.measured:
         b = max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
     else:
@@ -273,7 +281,7 @@ def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float
     base = others + m
     best_w, best_rate = 0.0, base / step_s * (1.0 + margin)
     for j in range(1, k + 1):
-        w = j * draft_token_s
+        w = first_token_s + (j - 1) * draft_token_s
         if w > max_wait_s:
             break
         rate = (base + m * (expected_tokens(alpha, j) - 1.0)) / (step_s + w + b * m * j)

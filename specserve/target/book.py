@@ -523,14 +523,16 @@ class DraftBook:
             diff = np.flatnonzero(entry.tokens[v:have] != h[v:have])
             if len(diff):
                 p = v + int(diff[0])
+                # The target decided a drafted position otherwise (a proposed
+                # token, or the one after them: the bonus): a rejection.
+                entry.last_outcome = REJECTED
                 branch = entry.branches.get((p, int(h[p])))
                 self._drop_branches(entry)  # all forked at or before p, or off the old S
                 hit = branch is not None and len(branch) >= n - p and np.array_equal(
                     branch[: n - p], h[p:n])
                 if hit:
                     entry.put(p, branch[: n - p + self.max_pending])
-                    if entry.last_outcome == REJECTED:
-                        self._count(entry, "branch_hits")
+                    self._count(entry, "branch_hits")
                 else:
                     entry.put(v, np.asarray(h[v:n], dtype=np.int64))
             elif entry.length < n:

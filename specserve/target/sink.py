@@ -104,8 +104,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # fresh drafts in the book, per token). None until measured.
         self._step_s: float | None = None
         self._draft_token_s: float | None = None
+        self._first_token_s: float | None = None  # verified update out -> first fresh draft
         self._last_propose: float | None = None
-        self._miss_sent: dict = {}  # key -> when its rejection's update went out
+        # key -> [when its miss's update went out, when the first fresh drafts came]
+        self._miss_sent: dict = {}
         self._retired: dict[str, BookStats] = {}  # figures of closed streams, by draft
         self._waits: dict[str, WaitFigures] = {}
         self._streams: dict[int, _Stream] = {}
@@ -132,7 +134,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             misses = list(self._book.misses)
             streams = dict(self._streams)
             for _, key in misses:
-                self._miss_sent[key] = start
+                self._miss_sent[key] = [start, None]
             if len(self._miss_sent) > 4 * len(histories) + 64:
                 self._miss_sent.clear()  # forgotten rows; the next misses remeasure
             names = {streams[key[0]].name for _, key in misses if key[0] in streams}
@@ -176,7 +178,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # Unknown draft speed: probe with a share of the cap, then measure.
         d = self._draft_token_s if self._draft_token_s is not None else self.max_wait_s / max(k, 1)
         return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
-                                 self._step_s, d, coverage=coverage, max_wait_s=self.max_wait_s)
+                                 self._step_s, d, coverage=coverage, max_wait_s=self.max_wait_s,
+                                 first_token_s=self._first_token_s)
 
     def _wait(self, histories, misses, k: int, deadline: float) -> dict[int, list[int]]:
         keys = [key for _, key in misses]
@@ -189,6 +192,24 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     break
                 self._arrived.wait(left)
             return self._book.refill(histories, k)
+
+    def _measure_draft(self, key, added: int) -> None:
+        """The draft's speed after a miss: the first fresh drafts' latency (round
+        trip included), then the time per token of the next ones."""
+        times = self._miss_sent.get(key)
+        if times is None:
+            return
+        now = time.monotonic()
+        if times[1] is None:
+            self._first_token_s = _ewma(self._first_token_s, now - times[0])
+            if added >= 4:  # the draft sends its tokens in bulk: no wait per token
+                self._draft_token_s = _ewma(self._draft_token_s, 0.0)
+                del self._miss_sent[key]
+            else:
+                times[1] = now
+        else:
+            self._draft_token_s = _ewma(self._draft_token_s, (now - times[1]) / added)
+            del self._miss_sent[key]
 
     def stats(self) -> dict:
         with self._lock:
@@ -288,11 +309,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                         branches=[(b.fork_position, b.token_ids) for b in msg.draft.branches],
                     )
                     if added:
-                        sent = self._miss_sent.pop(key, None)
-                        if sent is not None:
-                            # First fresh drafts after a miss: the draft's speed.
-                            self._draft_token_s = _ewma(
-                                self._draft_token_s, (time.monotonic() - sent) / added)
+                        self._measure_draft(key, added)
                         self._arrived.notify_all()
                 elif kind == "close":
                     rid = msg.close.request_id

@@ -164,3 +164,16 @@ def test_wait_bound_is_zero_when_waiting_does_not_pay_and_never_unbounded():
     bounds = [wait_bound(0.8, 4, r, 1, step, 0.01) for r in (1, 2, 4, 8, 16)]
     assert bounds == sorted(bounds, reverse=True)
     assert wait_bound(0.99, 16, 1, 1, 10.0, 0.001, max_wait_s=0.05) <= 0.05
+
+
+def test_wait_bound_counts_the_round_trip_to_the_first_fresh_draft():
+    from specserve.control.policy import wait_bound
+
+    # A draft that sends everything at once after a 3 ms round trip: wait ~3 ms.
+    w = wait_bound(0.8, 4, 1, 1, 0.065, 0.0, first_token_s=0.003)
+    assert w == 0.003
+    # 20 ms to the first token, 20 ms per token after it: whole draft tokens.
+    w = wait_bound(0.8, 4, 1, 1, 0.065, 0.02, first_token_s=0.021)
+    assert w in (0.021, 0.041, 0.061, 0.081)
+    # Without a first-token latency and no per-token time: nothing to go on.
+    assert wait_bound(0.8, 4, 1, 1, 0.065, 0.0) == 0.0

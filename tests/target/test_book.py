@@ -354,3 +354,17 @@ def test_stats_are_kept_per_stream_too():
     for st in b.stream_stats.values():
         total.add(st)
     assert total.verified_steps == b.stats.verified_steps == 1
+
+
+def test_a_wrong_token_after_the_accepted_window_is_a_rejection_too():
+    """All proposed tokens accepted, but S's next token (the bonus position)
+    is not the target's: the branch for it is taken, and it counts as a
+    rejection (the draft's token there was wrong)."""
+    b = book()
+    b.open(("s", "r"), [1, 2])
+    b.extend(("s", "r"), 2, [5, 6, 7, 8, 9], branches=[(6, [60, 61, 62])])
+    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
+    props, _ = b.propose([h(1, 2, 5, 6, 7, 8, 60)], K, K + 1)  # 9 was wrong: 60
+    assert props == [[61, 62]]
+    s = b.stats
+    assert (s.steps_after_rejected, s.branch_hits, s.accepted_tokens) == (1, 1, 3)
