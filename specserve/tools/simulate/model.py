@@ -402,10 +402,11 @@ class _Sim:
         from specserve.control.policy import wait_bound
 
         step_ms = self.last_step_ms[t] or self.p.target.step(rows, rows)
-        draft_ms = self.p.draft.step(max(len(self.d_requests[0]) if self.d_requests else 1, 1)) \
-            + self.sc.rtt_ms
+        draft_ms = self.p.draft.step(max(len(self.d_requests[0]) if self.d_requests else 1, 1))
+        # the first fresh token: the round trip and one draft step; then one per step
         return 1e3 * wait_bound(self.sc.alpha, self.sc.k, rows, misses, step_ms / 1e3,
-                                draft_ms / 1e3, max_wait_s=self.sc.max_wait_ms / 1e3)
+                                draft_ms / 1e3, max_wait_s=self.sc.max_wait_ms / 1e3,
+                                first_token_s=(draft_ms + self.sc.rtt_ms) / 1e3)
 
     # ---- result ----
 
