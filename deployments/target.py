@@ -40,13 +40,13 @@ class RequestRejected(ValueError):
 
 class TargetServer:
     def __init__(self, config: dict, drafts: dict | None = None):
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        from specserve.placement import target_placement
         from specserve.target.engine import (
             apply_cpu_env,
             cpu_binding,
             settings_from,
             spec_counter_factory,
+            start_target_engine,
             target_engine_args,
         )
         from specserve.models import ensure_default_model
@@ -81,8 +81,12 @@ class TargetServer:
 
         self.step_costs = StepCostFit()
         self.totals.step_observer = self.step_costs.add
-        self.engine = AsyncLLM.from_engine_args(
-            target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size, k=self.k),
+        # On GPUs the replica actor holds no GPU: vLLM's Ray executor puts the
+        # TP workers on the bundles of this replica (specserve.placement).
+        executor = target_placement(t).executor
+        self.engine = start_target_engine(
+            target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size, k=self.k,
+                               executor=None if executor == "uni" else executor),
             stat_loggers=[factory])
         self.max_model_len = self.engine.model_config.max_model_len
         self.sink_address = (f"{_node_ip()}:{int(port_file.read_text())}" if self.k > 0

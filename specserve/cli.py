@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "model); repeat for one draft pool per model; "
                     "'none' for target-only (overrides the config)")
     sv.add_argument("--port", type=_positive_int("port"), help="HTTP port (overrides the config)")
+    sv.add_argument("--host", help="address the HTTP server binds to, e.g. 0.0.0.0 in a "
+                    "container (overrides the config)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
 
     d = sub.add_parser("distill", help="distil a small draft out of a target's own layers "
@@ -365,7 +367,7 @@ def _serve_config(args):
         drafts = None if drafts is None else [
             d if d == DEFAULT_DRAFT_KEYWORD else _model_dir(d, "draft") for d in drafts]
         cfg = cfg.with_overrides(target=target, drafts=drafts, port=args.port,
-                                 api_key=args.api_key)
+                                 api_key=args.api_key, host=args.host)
     except ConfigError as e:
         raise UsageError(str(e).replace("\n", "; ")) from None
     if cfg.target.model is not None:

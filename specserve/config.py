@@ -447,7 +447,8 @@ class AppConfig(_Strict):
     # ---- deriving ------------------------------------------------------------
 
     def with_overrides(self, target: str | None = None, drafts: list[str] | None = None,
-                       port: int | None = None, api_key: str | None = None) -> AppConfig:
+                       port: int | None = None, api_key: str | None = None,
+                       host: str | None = None) -> AppConfig:
         """A new config with the CLI's flags applied; None leaves a setting as it is.
 
         target: the target model folder. The served name is reset to follow
@@ -474,6 +475,8 @@ class AppConfig(_Strict):
             data["drafts"] = pools
         if port is not None:
             data["http"]["port"] = port
+        if host is not None:
+            data["http"]["host"] = host
         if api_key is not None:
             data["http"]["api_key"] = api_key
         # Validate again: an override can break a cross-field rule (e.g. drafts

@@ -77,14 +77,20 @@ def apply_cpu_env(s: EngineSettings) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(s.kv_cache_gib))
 
 
-def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0):
-    """AsyncEngineArgs for a target; k > 0 plugs in the remote-draft proposer."""
+def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0,
+                       executor: str | None = None):
+    """AsyncEngineArgs for a target; k > 0 plugs in the remote-draft proposer.
+
+    executor: vLLM's distributed_executor_backend ("ray" on GPUs, see
+    specserve.placement); None: "mp" for TP > 1, vLLM's choice for TP = 1."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     args = _common_args(model, s)
     args["tensor_parallel_size"] = tp
-    if tp > 1:
-        args["distributed_executor_backend"] = "mp"
+    if executor is None and tp > 1:
+        executor = "mp"
+    if executor is not None:
+        args["distributed_executor_backend"] = executor
     if k > 0:
         args["speculative_config"] = proposer.speculative_config(k)
         # vLLM's own per-request acceptance (a histogram of accepted counts per
@@ -92,6 +98,45 @@ def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0):
         # attributes to the draft replica that drafted it.
         args["per_request_spec_decode_metrics"] = "summary"
     return AsyncEngineArgs(**args)
+
+
+# The draft sink's settings (specserve.target.proposer, specserve.tls) are
+# environment variables with this prefix; vLLM's Ray executor copies only
+# VLLM_*-like variables to its workers unless told to copy more.
+SPECSERVE_ENV_PREFIX = "SPECSERVE_"
+
+
+def use_replica_placement_group(vllm_config) -> None:
+    """Let vLLM's Ray executor place the engine's TP workers in this Serve
+    replica's placement group, one per GPU bundle (what Ray Serve LLM does).
+
+    The engine core runs in a child process that joins the cluster as a new
+    driver: without the group handed over in `parallel_config` it would make a
+    nested placement group of its own (ray#59064 / vllm#29688), and without
+    RAY_ADDRESS it would start a cluster of its own."""
+    import ray
+
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("the Ray executor needs the replica's placement group; run the "
+                           "target through deployments.app.build_app (placement_group_bundles)")
+    vllm_config.parallel_config.placement_group = pg
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    extra = os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "")
+    if SPECSERVE_ENV_PREFIX not in extra.split(","):
+        os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] = ",".join(
+            p for p in (extra, SPECSERVE_ENV_PREFIX) if p)
+
+
+def start_target_engine(engine_args, stat_loggers=None):
+    """The AsyncLLM of a target replica (the one place it is started in Serve)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    vllm_config = engine_args.create_engine_config()
+    if vllm_config.parallel_config.distributed_executor_backend == "ray":
+        use_replica_placement_group(vllm_config)
+    return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers,
+                                     disable_log_stats=engine_args.disable_log_stats)
 
 
 def draft_engine_args(model: str, s: EngineSettings):

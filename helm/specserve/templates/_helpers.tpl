@@ -19,8 +19,11 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/* The image: image.tag, or what Dockerfile.gpu / Dockerfile.cpu build
+     (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise). */}}
 {{- define "specserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- $flavor := ternary "gpu" "cpu" (or (gt (include "specserve.targetGpus" . | int) 0) (gt (include "specserve.draftGpus" . | int) 0)) -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $flavor)) -}}
 {{- end -}}
 
 {{/* A replica-count bound of an AppConfig pool: (list replicasMapOrNil key), default 1. */}}
