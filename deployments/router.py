@@ -156,7 +156,7 @@ class Router:
         self.max_model_len = (self.config.target.engine.max_model_len
                               or getattr(hf, "max_position_embeddings", None) or 2048)
         self.model_name = self.config.target.served_name()
-        self.api_key = self.config.http.api_key
+        self.api_key = self.config.http.api_key_value()  # api_key_env: from a Secret
         self.max_body = self.config.http.max_body_bytes
         self.k_max = self.config.speculation.num_speculative_tokens
         self.stats = SpecStats(self.k_max)
