@@ -1,4 +1,4 @@
-"""DraftServer: one draft replica (a vLLM draft engine and its DraftRunner).
+"""DraftServer: one draft replica (the draft worker, specserve/draft/worker.py).
 
 A plain class; `deployments.app.build_app` wires it into Ray Serve. A target
 replica asks for drafts with a *streaming* call to `draft(...)`: drafting lasts
@@ -27,34 +27,17 @@ SINK_LOST_S = 30.0
 
 class DraftServer:
     def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        from specserve.draft.runner import DraftRunner, VllmDraftModel
-        from specserve.target.engine import (
-            apply_cpu_env,
-            cpu_binding,
-            draft_engine_args,
-            settings_from,
-        )
+        from specserve.draft.worker import DraftWorker
+        from specserve.target.engine import cpu_binding, settings_from
+        from specserve.tls import TlsFiles
 
         self.config = DraftConfig.model_validate(draft)
         logs.to_stderr("draft")
         os.environ.update(self.config.resources.env)
         _, draft_cpus = cpu_binding(target_tp)
-        if draft_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus  # ignored on GPUs
-        settings = settings_from(self.config.engine)
-        apply_cpu_env(settings)
-        from specserve.models import resolve_draft
-        from specserve.tls import TlsFiles
-
-        model = resolve_draft(self.config.model)  # 'default': the shipped draft
-        self.engine = AsyncLLM.from_engine_args(draft_engine_args(model, settings))
-        tls = TlsFiles.from_config(grpc_tls)
-        if tls is not None:
-            tls.read()  # a missing file fails the replica here, with its path
-        self.runner = DraftRunner(VllmDraftModel(self.engine, self.engine.model_config.max_model_len),
-                                  tls=tls)
+        self.worker = DraftWorker.start(self.config.model, settings_from(self.config.engine),
+                                        tls=TlsFiles.from_config(grpc_tls), cpus=draft_cpus)
+        self.runner = self.worker.runner
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0):
@@ -84,4 +67,4 @@ class DraftServer:
         return {"coverage": coverage, "lag": lag, "active": float(self.runner.active())}
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        await self.worker.check_health()

@@ -11,7 +11,6 @@ gets a 4xx with an OpenAI-style error body; nothing here can crash the app.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
@@ -21,7 +20,9 @@ from specserve import openai_api as api
 from specserve.control import policy
 from specserve.control import pools
 from specserve.config import AppConfig
-from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
+from specserve.acceptance.prometheus import prometheus_text
+from specserve.acceptance.stats import RequestRecord, SpecStats
+from specserve.control.controller import KController
 
 log = logging.getLogger("specserve.router")
 
@@ -45,12 +46,13 @@ class ServeMetrics:
         self.tpot = Histogram("specserve_tpot_seconds", description="Time per output token.",
                               boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
 
-    def observe(self, spec: dict, output_tokens: int, ttft: float, duration: float) -> None:
-        tags = {"draft_model": spec["draft_model"] or "none",
-                "draft_replica": spec["draft_replica"] or "none"}
-        accepted = sum(j * n for j, n in enumerate(spec["accepted_histogram"]))
-        for counter, value in ((self.draft_tokens, spec["draft_tokens"]),
-                               (self.accepted_tokens, accepted),
+    def observe(self, report, ttft: float, duration: float) -> None:
+        tags = {"draft_model": report.draft_model or "none",
+                "draft_replica": report.draft_replica or "none"}
+        a = report.acceptance
+        output_tokens = a.output_tokens
+        for counter, value in ((self.draft_tokens, a.draft_tokens),
+                               (self.accepted_tokens, a.accepted_tokens),
                                (self.output_tokens, output_tokens)):
             if value > 0:  # Ray's counters refuse increments of 0
                 counter.inc(value, tags=tags)
@@ -149,7 +151,6 @@ class Router:
         self.config = AppConfig.model_validate(config)
         self.target = target
         self.draft_names = list(draft_names)
-        self._turn = itertools.count()
         model_dir = self.config.target.model or str(ensure_default_model())
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         hf = AutoConfig.from_pretrained(model_dir)
@@ -164,7 +165,8 @@ class Router:
         t = self.config.target
         self.capacity = max(t.replicas.max_replicas, 1) * t.engine.max_num_seqs
         self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in self.config.drafts}
-        self.last_choice: policy.Choice | None = None
+        self.controller = KController(self.k_max, self.replicas,
+                                      self.config.speculation.k_control.thresholds())
         self.metrics = ServeMetrics()
         self.bounds = {"target": (t.replicas.min_replicas, t.replicas.max_replicas),
                        **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
@@ -175,7 +177,6 @@ class Router:
         # background at most every COST_REFRESH_S: no remote call per request.
         self._cost: tuple[float, dict | None] = (float("-inf"), None)
         self._cost_task: asyncio.Task | None = None
-        self.k_inputs: dict = {}
 
     async def __call__(self, request):
         try:
@@ -190,13 +191,14 @@ class Router:
             if route == ("GET", "/v1/spec/stats"):
                 snap = self.stats.snapshot(time.time())
                 snap["load"] = self.load()
-                snap["last_choice"] = (self.last_choice.reason if self.last_choice else None)
+                last = self.controller.last
+                snap["last_choice"] = last.reason if last else None
                 # vLLM's engine-wide counters of the target replica that answers,
                 # to cross-check the per-request attribution above.
                 snap["target_engine"] = await self.target.spec_totals.remote()
                 # What the K choice last used: the target's measured step cost
                 # (or the load model until it is measured), rows, per-pool K.
-                snap["k_choice"] = self.k_inputs
+                snap["k_choice"] = self.controller.inputs
                 snap["pools"] = await self.pool_rows()
                 snap["autoscaling"] = await pools.fetch()
                 # Slots held right now: router requests in flight, and (from the
@@ -300,41 +302,17 @@ class Router:
         self._cost = (time.monotonic(), cost)
 
     def choose_draft(self) -> policy.Choice:
-        """Draft pool and K for the next request, from measured acceptance,
-        coverage and the target's measured step cost (modelled from load until
-        the target has measured it)."""
-        views = []
-        for name in self.draft_names:
-            f = self.stats.by_model.get(name)
-            views.append(policy.PoolView(
-                name=name, draft_tokens=f.draft_tokens if f else 0,
-                alpha=f.alpha if f else 0.0,
-                coverage=f.coverage if f else 0.0, requests=f.requests if f else 0,
-                inflight=self.inflight.get(name, 0), replicas=self.replicas.get(name, 1)))
-        load = self.load()
+        """Draft pool and K for the next request (the K controller), from measured
+        acceptance, coverage and the target's measured step cost (modelled from
+        load until the target has measured it)."""
         measured = self.step_cost()
-        cost, rows = None, 1.0
-        if measured is not None:
-            cost = policy.StepCost(measured["fixed_s"], measured["per_token_s"])
-            # decode rows per target replica, this request included
-            rows = (sum(self.inflight.values()) + 1) / self.target_replicas
-        choice = policy.choose(views, self.k_max, load, next(self._turn), cost, rows)
-        per_pool = {}
-        for v in views:  # the K each pool would get now (shown in the stats)
-            k = policy.pool_k(v, self.k_max, load, cost, rows)
-            self.stats.current_k[v.name] = k
-            per_pool[v.name] = {
-                "k": k, "alpha": v.alpha, "coverage": v.coverage,
-                "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows,
-                                                    v.coverage)}
-        self.k_inputs = {"step_cost": measured,
-                         "cost_source": "measured" if cost is not None else "modelled",
-                         "modelled_verify_cost": (None if cost is not None
-                                                  else policy.verify_cost(load)),
-                         "rows": rows, "load": load, "pools": per_pool}
-        if self.last_choice is None or choice.reason != self.last_choice.reason:
-            log.info("draft choice: %s", choice.reason)
-        self.last_choice = choice
+        cost = (policy.StepCost(measured["fixed_s"], measured["per_token_s"])
+                if measured is not None else None)
+        # decode rows per target replica, this request included
+        rows = (sum(self.inflight.values()) + 1) / self.target_replicas
+        choice = self.controller.choose(self.stats.by_model, self.inflight, self.load(),
+                                        cost, rows)
+        self.stats.current_k.update(self.controller.current_k)
         return choice
 
     async def _complete(self, kind: str, request):
@@ -387,25 +365,21 @@ class Router:
             text += chunk["text"]
             n += len(chunk["token_ids"])
             finish = chunk["finish_reason"] or finish
-            self._observe(chunk, n, started, ttft)
+            self._observe(chunk, started, ttft)
             chunk = await anext(stream, None)
         build = api.chat_response if kind == "chat" else api.completion_response
         return _json(build(rid, self.model_name, text, api.finish_reason(finish),
                            len(prompt_ids), n, int(time.time())))
 
-    def _observe(self, chunk: dict, output_tokens: int, started: float, ttft: float) -> None:
-        """Add a finished request (its last chunk carries "spec") to the stats."""
-        spec = chunk.get("spec")
-        if spec is None:
+    def _observe(self, chunk: dict, started: float, ttft: float) -> None:
+        """Add a finished request (its last chunk carries the target's report) to the stats."""
+        report = chunk.get("report")
+        if report is None:
             return
-        self.stats.record(RequestRecord(
-            draft_model=spec["draft_model"], draft_replica=spec["draft_replica"],
-            target_replica=spec["target_replica"], k=spec["k"], output_tokens=output_tokens,
-            draft_tokens=spec["draft_tokens"], accepted_histogram=spec["accepted_histogram"],
-            ttft_s=ttft, duration_s=time.monotonic() - started, finished_at=time.time(),
-            target_running=spec.get("target_running", 0),
-            target_waiting=spec.get("target_waiting", 0), draft_lag=spec.get("draft_lag")))
-        self.metrics.observe(spec, output_tokens, ttft, time.monotonic() - started)
+        duration = time.monotonic() - started
+        self.stats.record(RequestRecord(report, ttft_s=ttft, duration_s=duration,
+                                        finished_at=time.time()))
+        self.metrics.observe(report, ttft, duration)
 
     def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft, pool):
         created = int(time.time())
@@ -421,7 +395,7 @@ class Router:
             try:
                 while chunk is not None:
                     n += len(chunk["token_ids"])
-                    self._observe(chunk, n, started, ttft)
+                    self._observe(chunk, started, ttft)
                     reason = api.finish_reason(chunk["finish_reason"])
                     if kind == "chat":
                         body = api.chat_chunk(rid, self.model_name, chunk["text"], reason,

@@ -14,11 +14,10 @@ import asyncio
 import logging
 import os
 import socket
-import tempfile
-from pathlib import Path
 
 from deployments import replica_name
 from specserve import logs
+from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.config import AppConfig
 from specserve.tls import TlsFiles
 
@@ -40,17 +39,9 @@ class RequestRejected(ValueError):
 
 class TargetServer:
     def __init__(self, config: dict, drafts: dict | None = None):
-        from specserve.placement import target_placement
-        from specserve.target.engine import (
-            apply_cpu_env,
-            cpu_binding,
-            settings_from,
-            spec_counter_factory,
-            start_target_engine,
-            target_engine_args,
-        )
         from specserve.models import ensure_default_model
-        from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
+        from specserve.placement import target_placement
+        from specserve.target.engine import TargetEngine, cpu_binding, settings_from
 
         self.config = AppConfig.model_validate(config)
         logs.to_stderr("target")
@@ -61,36 +52,20 @@ class TargetServer:
         self.model_dir = t.model or str(ensure_default_model())
         os.environ.update(t.resources.env)
         target_cpus, _ = cpu_binding(t.tensor_parallel_size)
-        if target_cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus  # ignored on GPUs
-        settings = settings_from(t.engine)
-        apply_cpu_env(settings)
-        self._tmp = tempfile.TemporaryDirectory(prefix="specserve-target-")
-        port_file = Path(self._tmp.name) / "sink.port"
-        if self.k > 0:
-            os.environ[ENV_ADDRESS] = f"0.0.0.0:{t.sink_port}"
-            os.environ[ENV_PORT_FILE] = str(port_file)
-            tls = TlsFiles.from_config(self.config.grpc_tls)
-            if tls is not None:
-                tls.read()  # a missing file fails here, with its path
-                os.environ.update(tls.to_env())
-        factory, self.totals = spec_counter_factory()
-        # The target's measured decode step cost (a + b · tokens), the way
-        # LocalSpec measures it; the router's K choice reads it (spec_totals).
-        from specserve.control.controller import StepCostFit
-
-        self.step_costs = StepCostFit()
-        self.totals.step_observer = self.step_costs.add
         # On GPUs the replica actor holds no GPU: vLLM's Ray executor puts the
         # TP workers on the bundles of this replica (specserve.placement).
         executor = target_placement(t).executor
-        self.engine = start_target_engine(
-            target_engine_args(self.model_dir, settings, tp=t.tensor_parallel_size, k=self.k,
-                               executor=None if executor == "uni" else executor),
-            stat_loggers=[factory])
-        self.max_model_len = self.engine.model_config.max_model_len
-        self.sink_address = (f"{_node_ip()}:{int(port_file.read_text())}" if self.k > 0
-                             else None)
+        self.target = TargetEngine.start(
+            self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
+            sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
+            tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
+            distributed_executor_backend=None if executor == "uni" else executor)
+        # The engine, its counters and its measured decode step cost (a + b ·
+        # tokens), which the router's K choice reads through spec_totals.
+        self.engine, self.totals = self.target.engine, self.target.totals
+        self.step_costs = self.target.step_costs
+        self.max_model_len = self.target.max_model_len
+        self.sink_address = self.target.sink_address
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
@@ -103,7 +78,8 @@ class TargetServer:
 
         draft: the draft pool to ask for drafts (None: the target alone);
         k: at most this many drafted tokens per step (None: the target's K).
-        The last chunk also carries "spec": who drafted, and vLLM's figures."""
+        The last chunk also carries "report": a TargetReport (who drafted, and
+        vLLM's acceptance figures)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -120,14 +96,16 @@ class TargetServer:
         )
         k = self.k if k is None else min(k, self.k)
         drafting = self._start_draft(draft, k, request_id, prompt_ids, params["max_tokens"])
+        n = 0
         try:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
                                                   sampling, request_id):
                 o = out.outputs[0]
+                n += len(o.token_ids)
                 chunk = {"text": o.text, "token_ids": list(o.token_ids),
                          "finish_reason": o.finish_reason}
                 if o.finish_reason is not None:
-                    chunk["spec"] = self._request_spec(o, drafting)
+                    chunk["report"] = self._report(o, n, drafting)
                 yield chunk
         finally:
             if drafting is not None:
@@ -135,20 +113,15 @@ class TargetServer:
                 call.cancel()
                 task.cancel()
 
-    def _request_spec(self, output, drafting) -> dict:
+    def _report(self, output, output_tokens: int, drafting) -> TargetReport:
         """Who drafted this request, and vLLM's acceptance figures for it."""
-        m = output.spec_decode_metrics
-        return {
-            "target_replica": replica_name(),
-            "draft_model": drafting[2]["model"] if drafting else None,
-            "draft_replica": drafting[2].get("replica") if drafting else None,
-            "k": drafting[2]["k"] if drafting else 0,
-            "draft_tokens": m.num_draft_tokens if m is not None else 0,
-            "accepted_histogram": list(m.histogram) if m is not None else [],
-            "target_running": self.totals.running,
-            "target_waiting": self.totals.waiting,
-            "draft_lag": drafting[2].get("lag") if drafting else None,
-        }
+        who = drafting[2] if drafting else {}
+        return TargetReport(
+            target_replica=replica_name(), draft_model=who.get("model"),
+            draft_replica=who.get("replica"),
+            acceptance=Acceptance.of_output(output, who.get("k", 0), output_tokens),
+            target_running=self.totals.running, target_waiting=self.totals.waiting,
+            draft_lag=who.get("lag"))
 
     def _start_draft(self, draft, k, request_id, prompt_ids, max_tokens):
         if k <= 0 or draft not in self.drafts:

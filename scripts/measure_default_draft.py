@@ -1,5 +1,5 @@
 """Serving with the default draft against target-only, on this machine (a measurement,
-not a test): `PYTHONPATH=. .venv/bin/python tests/measure_default_draft.py [N] [--dtype DTYPE]`.
+not a test): `PYTHONPATH=. .venv/bin/python scripts/measure_default_draft.py [N] [--dtype DTYPE]`.
 
 Starts `specserve serve` twice with the embedded default config: as shipped
 (the distilled default draft) and with `--draft none`. Sends the same N
@@ -21,9 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import ServeProcess, get, post  # noqa: E402
+
+from specserve.tools.serveproc import ServeProcess, get, post  # noqa: E402
 
 from specserve.tools.distill.run import eval_prompts  # noqa: E402
 

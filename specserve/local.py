@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,69 +30,15 @@ from pathlib import Path
 
 import grpc
 
-from specserve.target.engine import (
-    EngineSettings,
-    cpu_binding,
-    SpecTotals,
-    apply_cpu_env,
-    spec_counter_factory,
-    target_engine_args,
-)
-from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
-from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
+from specserve.acceptance.record import Acceptance, Figures
+from specserve.config import lookahead_problem
+from specserve.target.engine import EngineSettings, SpecTotals, TargetEngine, cpu_binding
+from specserve.tools.serveproc import free_port
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-TLS_ENV = (ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_engine(args, **kwargs):
-    """AsyncLLM.from_engine_args, also returning the processes it started."""
-    import psutil
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
-    engine = AsyncLLM.from_engine_args(args, **kwargs)
-    procs = [p for p in me.children(recursive=True)
-             if p.pid not in before and not _is_resource_tracker(p)]
-    return engine, procs
-
-
-def _is_resource_tracker(p) -> bool:
-    """multiprocessing's resource tracker, started with the engine's first
-    spawned process, lives as long as we do: not an engine process to wait for
-    (waiting for it cost every shutdown its full timeout)."""
-    import psutil
-
-    try:
-        return "resource_tracker" in " ".join(p.cmdline())
-    except psutil.Error:
-        return False
-
-
-def shutdown_engine(engine, procs, timeout: float = 15.0) -> None:
-    """Shut an AsyncLLM down and make sure its processes are gone.
-
-    vLLM's shutdown signals its engine-core and worker processes and returns;
-    a caller that exits right after can leave them orphaned. Wait for them,
-    and kill what is still there after `timeout` seconds.
-    """
-    import psutil
-
-    engine.shutdown()
-    _, alive = psutil.wait_procs([p for p in procs if p.is_running()], timeout=timeout)
-    for p in alive:
-        log.warning("engine process %d did not exit; killing it", p.pid)
-        p.kill()
-
+DRAFT_POOL = "draft"  # LocalSpec's one draft pool, as the K controller names it
 
 @dataclasses.dataclass
 class Output:
@@ -119,17 +64,20 @@ class LocalSpec:
         draft_tls=None,
         replay: list[tuple[list[int], list[int]]] | None = None,
         adaptive_k: bool = False,
+        thresholds=None,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
         drafts from elsewhere; tests use it to play a draft themselves.
         tls: a specserve.tls.TlsFiles: mutual TLS between draft and sink.
         draft_tls: the draft's own files if they differ (tests: a wrong certificate).
         adaptive_k: choose each request's K in 0..k from measured step costs and
-        acceptance (specserve/adaptive.py); K = 0 runs it on the target alone."""
+        acceptance (specserve/control/controller.py); K = 0 runs it on the target
+        alone. thresholds: the controller's (control.policy.Thresholds)."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
-        if draft is not None and lookahead <= k:
-            raise ValueError(f"lookahead ({lookahead}) must be greater than K ({k})")
+        problem = lookahead_problem(k, lookahead, "K") if draft is not None else None
+        if problem:
+            raise ValueError(problem)
         from specserve.draft.synthetic import is_synthetic, parse
 
         self.target = target
@@ -142,8 +90,8 @@ class LocalSpec:
         self.tp = tp
         self.settings = settings or EngineSettings()
         self.draft_ready_timeout = draft_ready_timeout
-        self.engine = None
-        self._engine_procs: list = []
+        self.target_engine: TargetEngine | None = None
+        self.engine = None  # the target's AsyncLLM
         self.totals: SpecTotals = SpecTotals()
         self.draft_process: subprocess.Popen | None = None
         self.sink_address: str | None = None
@@ -153,11 +101,15 @@ class LocalSpec:
         self.draft_failures = 0
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
-        self.adaptive = None
+        # adaptive K: the same controller the Serve router decides with, over
+        # one draft pool; figures are this engine's finished requests.
+        self.controller = None
+        self.figures = Figures()
         if adaptive_k and self.k > 0:
-            from specserve.control.controller import AdaptiveK
+            from specserve.control.controller import KController
+            from specserve.control.policy import Thresholds
 
-            self.adaptive = AdaptiveK(self.k)
+            self.controller = KController(self.k, {DRAFT_POOL: 1}, thresholds or Thresholds())
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -223,38 +175,14 @@ class LocalSpec:
         await self._start_synthetic(self.replay)
 
     async def _start(self) -> None:
-        apply_cpu_env(self.settings)
         target_cpus, _ = self._cpu_binding()
         if self.draft is not None and self.synthetic is None:
             self._start_draft_process()  # it loads while the target engine starts
-        port_file = Path(self._tmp.name) / "sink.port"
-        for var in TLS_ENV:
-            os.environ.pop(var, None)
-        if self.k > 0:
-            os.environ[ENV_ADDRESS] = "127.0.0.1:0"
-            os.environ[ENV_PORT_FILE] = str(port_file)
-            if self.tls is not None:
-                self.tls.read()  # a missing file fails here, with its path
-                os.environ.update(self.tls.to_env())
-        else:
-            os.environ.pop(ENV_ADDRESS, None)
-            os.environ.pop(ENV_PORT_FILE, None)
-
-        factory, self.totals = spec_counter_factory()
-        if self.adaptive is not None:
-            self.totals.step_observer = self.adaptive.observe_step
-        args = target_engine_args(self.target, self.settings, tp=self.tp, k=self.k)
         # Building the engine blocks for a while; the draft process loads meanwhile.
-        # The engine's processes inherit the binding at spawn; restore ours after.
-        if target_cpus is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = target_cpus
-        try:
-            self.engine, self._engine_procs = start_engine(args, stat_loggers=[factory])
-        finally:
-            if target_cpus is not None:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        if self.k > 0:
-            self.sink_address = f"127.0.0.1:{int(port_file.read_text())}"
+        self.target_engine = TargetEngine.start(
+            self.target, self.settings, tp=self.tp, k=self.k, tls=self.tls, cpus=target_cpus)
+        self.engine, self.totals = self.target_engine.engine, self.target_engine.totals
+        self.sink_address = self.target_engine.sink_address
         if self.synthetic is not None:
             if self.replay is not None:
                 await self._start_synthetic(self.replay)
@@ -286,11 +214,9 @@ class LocalSpec:
                 await asyncio.to_thread(self.draft_process.wait, 30)
             except subprocess.TimeoutExpired:
                 self.draft_process.kill()
-        if self.engine is not None:
-            shutdown_engine(self.engine, self._engine_procs)
-            self.engine = None
-        for var in (ENV_ADDRESS, ENV_PORT_FILE, *TLS_ENV):
-            os.environ.pop(var, None)
+        if self.target_engine is not None:
+            self.target_engine.shutdown()
+            self.target_engine = self.engine = None
         self._tmp.cleanup()
 
     # ---- requests ---------------------------------------------------------------
@@ -301,10 +227,18 @@ class LocalSpec:
         spec-decode figures at the end) at each engine step that produced some,
         for latency measurements."""
         rid = uuid.uuid4().hex
-        k = self.adaptive.choose(self.totals.running) if self.adaptive is not None else 0
+        k = self.k
+        if self.controller is not None:
+            running = self.totals.running
+            choice = self.controller.choose(
+                {DRAFT_POOL: self.figures}, {DRAFT_POOL: running},
+                load=min(running / self.settings.max_num_seqs, 1.0),
+                cost=self.target_engine.step_costs.cost(), rows=running + 1)
+            k = choice.k
         drafting = False
-        if self.adaptive is None or k > 0:
-            drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens, k)
+        if k > 0:
+            drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens,
+                                               0 if self.controller is None else k)
         from vllm.inputs import TokensPrompt
 
         final = None
@@ -319,10 +253,8 @@ class LocalSpec:
             if drafting:
                 await self._cancel_draft(rid)
         o = final.outputs[0]
-        m = getattr(o, "spec_decode_metrics", None)
-        if self.adaptive is not None and drafting and m is not None:
-            self.adaptive.observe_request(len(o.token_ids), list(m.histogram),
-                                          m.num_draft_tokens, k)
+        if drafting:
+            self.figures.add(Acceptance.of_output(o, k))
         return list(o.token_ids)
 
     async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int,

@@ -13,7 +13,9 @@ This module owns:
   converted default model; `resolve_draft` maps the config keyword
   "default" to that folder;
 - `tokenizers_compatible`, the cheap check that a draft model can be used to
-  speculate for a target model.
+  speculate for a target model;
+- `context_length`, the longest sequence a model folder takes, as vLLM derives
+  it from its config (so a max_model_len it cannot take is refused early).
 
 transformers and torch are imported inside the functions that need them,
 because they take seconds to import and most callers of this module (the CLI
@@ -201,7 +203,7 @@ def ensure_default_draft(progress: Callable[[str], None] = print_to_stderr) -> P
     newer shipped draft replaces an older assembled one. Atomic and locked
     like `ensure_default_model`.
     """
-    from specserve.tools.distill.run import file_sha256
+    from specserve.tools.distill.draft import file_sha256
 
     shipped = shipped_draft_dir()
     layers = shipped / DRAFT_LAYERS_FILE
@@ -232,7 +234,7 @@ def ensure_default_draft(progress: Callable[[str], None] = print_to_stderr) -> P
         work_dir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         os.chmod(work_dir, 0o755)
         try:
-            from specserve.tools.distill.run import assemble_draft
+            from specserve.tools.distill.draft import assemble_draft
 
             progress(f"assembling the default draft {shipped.name} -> {dest}")
             config = json.loads((shipped / "config.json").read_text())
@@ -398,3 +400,55 @@ def tokenizers_compatible(target_dir: str | Path, draft_dir: str | Path) -> str 
         if draft_id != target_id:
             return f"draft {name} {draft_id} != target {name} {target_id}; {fix}"
     return None
+
+
+# The config.json keys vLLM reads for a model's context; it takes the smallest
+# (vllm/transformers_utils/model_arch_config_convertor.py).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length",
+                "max_seq_length", "seq_len")
+# RoPE types whose max_position_embeddings is already the scaled length (vLLM
+# applies `factor` only for the others).
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def context_length_of(config: dict, tokenizer_config: dict | None = None) -> int | None:
+    """The longest sequence (prompt + output) vLLM lets a model take, from its
+    config.json (and tokenizer_config.json) as parsed JSON; None where it cannot
+    be told from them (no context key, an unfamiliar RoPE layout): then vLLM decides."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = [text[k] for k in CONTEXT_KEYS if isinstance(text.get(k), int)]
+    if not found:
+        return None
+    length = float(min(found))
+    if isinstance(text.get("model_max_length"), int):  # Command-R: this key wins
+        length = float(text["model_max_length"])
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(rope, dict) and "gemma3" not in str(config.get("model_type", "")):
+        if any(isinstance(v, dict) for v in rope.values()):
+            return None  # per-layer-type RoPE parameters
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in _PRESCALED_ROPE and kind != "default":
+            factor = rope.get("factor")
+            length *= float(factor) if isinstance(factor, (int, float)) else 1.0
+    limit = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(limit, (int, float)) and limit < length:
+        length = float(limit)
+    return int(length)
+
+
+def context_length(model_dir: str | Path) -> int | None:
+    """`context_length_of` a model folder; None if it has no readable config.json."""
+    folder = Path(model_dir)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer_config = None
+    if not isinstance(config, dict):
+        return None
+    return context_length_of(config, tokenizer_config if isinstance(tokenizer_config, dict)
+                             else None)

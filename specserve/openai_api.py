@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import (
@@ -250,14 +249,6 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
 
 
 # ---------------------------------------------------------------- responses
-
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
-
-
-def new_chat_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
-
 
 def _now(created: int | None) -> int:
     return int(time.time()) if created is None else created

@@ -44,8 +44,11 @@ def reference(tiny_models) -> list[list[int]]:
 # On real hardware the target is many times slower per step than its draft; with
 # tiny models on two shared cores both take the same few milliseconds, and a draft
 # no faster than its target cannot run ahead of it. Tests that need drafts to
-# arrive in time emulate a slower target step (see specserve/proposer.py).
-EMULATED_TARGET_STEP_MS = "25"
+# arrive in time emulate a slower target step (specserve/testing/slow_target.py):
+# these environment variables, given to the process that starts the target.
+from specserve.testing import slow_target  # noqa: E402
+
+SLOW_TARGET_ENV = slow_target.env(25)
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None):

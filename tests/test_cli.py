@@ -79,3 +79,65 @@ def test_tls_flags(tiny_models, tmp_path, args, needle):
     args = [a.format(ca=ca) for a in args]
     one_line_error(run_cli("generate", "--target", t, "--draft", t, "--prompt", "hi", *args),
                    needle)
+
+
+# ---- serve: what is refused before Ray starts -----------------------------------------
+
+
+def serve_args(*argv):
+    from specserve.cli.parser import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def write_config(tmp_path, config: dict) -> str:
+    import yaml
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory, tiny_models):
+    """The tiny target's tokenizer, a context of 512 tokens."""
+    from specserve.testing.tiny import build_model
+
+    return build_model(tmp_path_factory.mktemp("short") / "m", seed=5, max_len=512)
+
+
+def test_serve_refuses_a_max_model_len_the_model_cannot_take(tiny_models, tmp_path):
+    t = str(tiny_models["target"])  # the tiny models take 1024 tokens
+    path = write_config(tmp_path, {"target": {"model": t, "engine": {"max_model_len": 4096}},
+                                   "drafts": [], "ray": {"num_cpus": 2}})
+    one_line_error(run_cli("serve", path), "target.engine.max_model_len 4096", "1024 tokens")
+
+
+def test_serve_refuses_pools_a_local_cluster_cannot_hold(tiny_models, tmp_path):
+    t = str(tiny_models["target"])
+    path = write_config(tmp_path, {
+        "target": {"model": t, "resources": {"cpus_per_worker": 2}},
+        "drafts": [{"name": "a", "model": t, "resources": {"cpus_per_worker": 1}}],
+        "ray": {"num_cpus": 2}})
+    one_line_error(run_cli("serve", path, env={"RAY_ADDRESS": ""}), "ask 3 CPUs",
+                   "target 2, draft-a 1", "local Ray cluster of 2")
+
+
+def test_serve_on_the_default_follows_the_named_models(short_context, monkeypatch):
+    from specserve.cli.common import UsageError
+    from specserve.cli.serve import check_contexts, serve_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    m = str(short_context)
+    cfg, _ = serve_config(serve_args("--target", m, "--draft", m))
+    # The embedded default's max_model_len 2048 was the default model's.
+    assert cfg.target.engine.max_model_len is None and cfg.drafts[0].engine.max_model_len is None
+    check_contexts(cfg, m)
+    forced = cfg.model_copy(update={"target": cfg.target.model_copy(update={
+        "engine": cfg.target.engine.model_copy(update={"max_model_len": 2048})})})
+    with pytest.raises(UsageError, match="2048 is more than the 512 tokens"):
+        check_contexts(forced, m)
+    # Two draft pools share the local cluster's draft core instead of asking 3 of 2.
+    cfg, _ = serve_config(serve_args("--target", m, "--draft", m, "--draft", m))
+    assert [d.resources.cpus_per_worker for d in cfg.drafts] == [0.5, 0.5]
+    assert [d.name for d in cfg.drafts] == ["m", "m-2"]

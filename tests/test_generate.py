@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS, PROMPTS, run_generate
+from conftest import PROMPTS, SLOW_TARGET_ENV, run_generate
 
 pytestmark = pytest.mark.slow
 
-SLOW_TARGET = {"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS}
+SLOW_TARGET = SLOW_TARGET_ENV
 
 
 def check_outputs(result, reference):

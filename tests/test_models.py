@@ -132,3 +132,23 @@ def test_ensure_default_model_converts_once(tmp_path, monkeypatch):
     messages.clear()
     assert models.ensure_default_model(progress=messages.append) == model_dir
     assert messages == []
+
+
+def test_context_length_as_vllm_derives_it(tmp_path):
+    of = models.context_length_of
+    assert of({"max_position_embeddings": 512}) == 512
+    assert of({"max_position_embeddings": 4096, "max_seq_len": 2048}) == 2048  # the smallest
+    assert of({"text_config": {"max_position_embeddings": 300}}) == 300
+    assert of({"max_position_embeddings": 4096}, {"model_max_length": 1024}) == 1024
+    assert of({"max_position_embeddings": 4096}, {"model_max_length": 10**30}) == 4096
+    assert of({"max_position_embeddings": 4096,
+               "rope_scaling": {"rope_type": "linear", "factor": 4.0}}) == 16384
+    assert of({"max_position_embeddings": 131072,  # already the scaled length
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == 131072
+    assert of({"max_position_embeddings": 512,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) == 512
+    assert of({"hidden_size": 8}) is None  # no key: vLLM decides
+    folder = make_model_dir(tmp_path / "m", ["a", "b"])
+    assert models.context_length(folder) == json.loads(
+        (folder / "config.json").read_text())["max_position_embeddings"]
+    assert models.context_length(tmp_path / "nowhere") is None

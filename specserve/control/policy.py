@@ -1,8 +1,8 @@
 """Speculation policies: how many tokens to draft (K) and which draft pool to use.
 
 Pure functions of measured figures; no Ray, no clock. This module owns the one
-model of what speculation buys (the Serve router and `specserve.control.controller`, the
-bench's per-engine controller, both decide with it).
+model of what speculation buys; `specserve.control.controller.KController`
+decides with it for the Serve router and for LocalSpec alike.
 
 A verify step over r decode rows, each with K drafted tokens, costs
 
@@ -18,7 +18,7 @@ per-token acceptance), the others one, so the target's output rate is
 and speedup(K) = rate(K) / rate(0). The draft runs on other hardware, so its
 own cost does not slow the target; it only limits coverage.
 
-a and b are measured on the target (`specserve.control.controller.StepCostFit`, fed with
+a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fed with
 vLLM's step timing). Before they are, the model stands in: one row, and a
 verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
 the target is memory-bound, 1 when it is saturated): a = 1 − v, b = v, which
@@ -39,10 +39,17 @@ from __future__ import annotations
 import dataclasses
 
 V_IDLE = 0.05  # modelled marginal cost of one verified token at low load, in target steps
-MIN_SAMPLES = 64  # drafted tokens before a pool's acceptance is trusted ...
-MIN_REQUESTS = 4  # ... unless this many requests went to it and drafted little
-PROBE_EVERY = 16  # a pool held at K=0 is re-measured this often
-MARGIN = 0.03  # with measured step costs, speculate only when predicted this much faster
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """When figures are trusted, how often to probe, how much gain is worth it
+    (the config's `speculation.k_control`, specserve.config, describes each)."""
+
+    min_drafted_tokens: int = 64  # drafted tokens before a pool's acceptance is trusted ...
+    min_requests: int = 4  # ... unless this many requests went to it and drafted little
+    probe_every: int = 16  # a pool held at K=0 is re-measured this often
+    margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -118,19 +125,19 @@ class PoolView:
     replicas: int = 1
 
 
-def is_fresh(p: PoolView) -> bool:
+def is_fresh(p: PoolView, th: Thresholds = Thresholds()) -> bool:
     """Too little measured to judge: a pool whose drafts never arrive in time
-    stops being fresh after MIN_REQUESTS requests (its coverage is then 0)."""
-    return p.draft_tokens < MIN_SAMPLES and p.requests < MIN_REQUESTS
+    stops being fresh after th.min_requests requests (its coverage is then 0)."""
+    return p.draft_tokens < th.min_drafted_tokens and p.requests < th.min_requests
 
 
 def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,
-           rows: float = 1.0) -> int:
+           rows: float = 1.0, th: Thresholds = Thresholds()) -> int:
     """The K a pool gets now (fresh pools are measured at k_max): its acceptance
     and coverage against the target's step cost (measured, or modelled from load)."""
-    if is_fresh(p):
+    if is_fresh(p, th):
         return k_max
-    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, MARGIN)
+    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, th.margin)
 
 
 def describe_cost(cost: StepCost | None, load: float, rows: float) -> str:
@@ -148,26 +155,27 @@ class Choice:
 
 
 def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
-           cost: StepCost | None = None, rows: float = 1.0) -> Choice:
+           cost: StepCost | None = None, rows: float = 1.0,
+           th: Thresholds = Thresholds()) -> Choice:
     """Draft pool and K for the next request.
 
     Pools without enough measurements are tried first (round-robin by turn),
     at full K. Otherwise the pool with the best predicted speedup (its
     acceptance and coverage against the target's step cost), discounted by how
     busy its replicas are, wins, with its own K. When no pool's K is above 0,
-    one pool gets a probe at full K every PROBE_EVERY turns so that a recovery
+    one pool gets a probe at full K every th.probe_every turns so that a recovery
     (better acceptance or coverage, lighter load) is noticed; when not even a
     perfect draft would pay (saturated target), nobody speculates.
     """
     if not pools or k_max <= 0:
         return Choice(None, 0, "no draft pools")
-    fresh = [p for p in pools if is_fresh(p)]
+    fresh = [p for p in pools if is_fresh(p, th)]
     if fresh:
         p = fresh[turn % len(fresh)]
         return Choice(p.name, k_max, f"measuring {p.name} ({p.draft_tokens} tokens so far)")
 
     def value(p: PoolView) -> tuple[float, int]:
-        k = pool_k(p, k_max, load, cost, rows)
+        k = pool_k(p, k_max, load, cost, rows, th)
         gain = speedup(p.alpha, k, load, cost, rows, p.coverage) - 1.0
         busy = p.inflight / max(p.replicas, 1)
         return gain / (1.0 + 0.05 * busy), k
@@ -180,7 +188,7 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
                       f"coverage {best.coverage:.2f}, {how} -> K={k}")
     if choose_k(1.0, k_max, load, cost, rows) == 0:
         return Choice(None, 0, f"target saturated ({how}): no speculation")
-    if turn % PROBE_EVERY == 0:
-        p = pools[(turn // PROBE_EVERY) % len(pools)]
+    if turn % th.probe_every == 0:
+        p = pools[(turn // th.probe_every) % len(pools)]
         return Choice(p.name, k_max, f"probing {p.name} (speculation did not pay; {how})")
     return Choice(None, 0, f"no pool's acceptance and coverage pay for speculation ({how})")

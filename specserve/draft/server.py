@@ -1,8 +1,8 @@
 """A stand-alone draft process: a draft model behind the Drafter gRPC service.
 
-Owns the process: builds the draft model (vLLM, or the synthetic replay), the
-DraftRunner, and a gRPC server with Start / Cancel / Health, then runs until
-SIGTERM or SIGINT. `specserve generate` starts one of these per run; it is also
+Owns the process: starts the draft worker (specserve/draft/worker.py: the draft
+model, vLLM or the synthetic replay, and its DraftRunner) behind a gRPC server
+with Start / Cancel / Health, then runs until SIGTERM or SIGINT. `specserve generate` starts one of these per run; it is also
 how a draft replica runs outside Ray.
 
     python -m specserve.draft.server --model PATH --port P [--max-model-len N]
@@ -54,45 +54,25 @@ class DrafterService(spec_pb2_grpc.DrafterServicer):
         return spec_pb2.DraftAck(ok=True, message=f"active={self.runner.active()}")
 
 
-def _synthetic_model(args):
-    from specserve.draft import synthetic
-
-    if args.replay is None or args.vocab_size is None:
-        raise SystemExit("a synthetic draft needs --replay FILE and --vocab-size V")
-    replay = synthetic.Replay.load(args.replay)
-    log.info("synthetic draft %s: %d recorded prompts", args.model, len(replay))
-    return synthetic.SyntheticDraftModel(
-        synthetic.parse(args.model), replay, args.vocab_size, seed=args.seed,
-        max_model_len=args.max_model_len or (1 << 30))
-
-
 async def serve(args) -> None:
-    from specserve.draft.runner import VllmDraftModel
-    from specserve.draft.synthetic import is_synthetic
-    from specserve.target.engine import EngineSettings, apply_cpu_env, draft_engine_args
+    from specserve.draft.worker import DraftWorker
+    from specserve.target.engine import EngineSettings
 
-    engine = None
-    if is_synthetic(args.model):
-        model = _synthetic_model(args)
-    else:
-        settings = EngineSettings(
-            max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
-            kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
-        )
-        apply_cpu_env(settings)
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        engine = AsyncLLM.from_engine_args(draft_engine_args(args.model, settings))
-        model = VllmDraftModel(engine, engine.model_config.max_model_len)
     tls = None
     if args.tls_ca:
         from specserve.tls import TlsFiles
 
         tls = TlsFiles(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-        tls.read()  # a missing file fails at startup, with its path
-    runner = DraftRunner(model, tls=tls)
+    settings = EngineSettings(
+        max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs)
+    try:
+        worker = DraftWorker.start(args.model, settings, tls=tls, replay_path=args.replay,
+                                   vocab_size=args.vocab_size)
+    except ValueError as e:
+        raise SystemExit(f"draft: {e}") from None
     server = grpc.aio.server()
-    spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(runner), server)
+    spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(worker.runner), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
     log.info("draft %s serving Drafter on %s:%d", args.model, args.host, port)
@@ -101,11 +81,8 @@ async def serve(args) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("draft shutting down: %s", runner.stats)
     await server.stop(0.5)
-    await runner.close()
-    if engine is not None:
-        engine.shutdown()
+    await worker.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,19 +1,36 @@
-"""Engine settings shared by the target and the draft, and vLLM's own counters.
+"""The one target engine builder, and vLLM's own counters.
 
-Owns: how specserve builds vLLM AsyncLLM engines (one place, so target-only and
-speculative runs use the same settings), and `SpecCounters`, a stat logger that
-adds up vLLM's own spec-decode statistics (the ground truth for acceptance).
+Owns how specserve starts a target: a vLLM AsyncLLM whose speculative config
+plugs in the remote-draft proposer (K > 0), whose draft sink listens where the
+caller says, with a stat logger that adds up vLLM's spec-decode statistics (the
+ground truth for acceptance) and feeds the measured decode step cost. Serve's
+target replica (`deployments/target.py`), `LocalSpec` (`specserve generate`,
+the bench, the GPU check) and the bench's co-located baseline all start their
+engine with `TargetEngine.start`; where they differ they pass a parameter.
+
+Also owns `EngineSettings` (the knobs target and draft engines share) and the
+CPU core binding of engines on one machine. It never routes requests.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from specserve.control.stepcost import StepCostFit
 from specserve.target import proposer
+
+log = logging.getLogger(__name__)
+
+# Test-only: the class path of a proposer to use instead of RemoteDraftProposer
+# (specserve/testing/slow_target.py emulates a slower target step with it).
+ENV_PROPOSER_CLASS = "SPECSERVE_PROPOSER_CLASS"
 
 
 @dataclasses.dataclass
@@ -37,7 +54,10 @@ def settings_from(engine) -> EngineSettings:
                           enforce_eager=engine.enforce_eager)
 
 
-def _common_args(model: str, s: EngineSettings) -> dict:
+def engine_args(model: str, s: EngineSettings, **extra):
+    """vLLM AsyncEngineArgs for a target or a draft with these settings."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
     args = dict(
         model=model,
         tokenizer=model,
@@ -52,7 +72,8 @@ def _common_args(model: str, s: EngineSettings) -> dict:
         args["max_model_len"] = s.max_model_len
     if s.load_format != "auto":
         args["load_format"] = s.load_format
-    return args
+    args.update(extra)
+    return AsyncEngineArgs(**args)
 
 
 def cpu_binding(tp: int, cores: int | None = None) -> tuple[str | None, str | None]:
@@ -62,6 +83,7 @@ def cpu_binding(tp: int, cores: int | None = None) -> tuple[str | None, str | No
     shares the target's core can never run ahead of it. With TP=1 the target
     gets core 0 and the draft the rest (what separate hardware would give);
     with TP=N each target rank gets one core and the draft shares them all.
+    Ignored on GPUs.
     """
     cores = cores or os.cpu_count() or 1
     if tp == 1 and cores >= 2:
@@ -77,29 +99,6 @@ def apply_cpu_env(s: EngineSettings) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(s.kv_cache_gib))
 
 
-def target_engine_args(model: str, s: EngineSettings, tp: int = 1, k: int = 0,
-                       executor: str | None = None):
-    """AsyncEngineArgs for a target; k > 0 plugs in the remote-draft proposer.
-
-    executor: vLLM's distributed_executor_backend ("ray" on GPUs, see
-    specserve.placement); None: "mp" for TP > 1, vLLM's choice for TP = 1."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    args = _common_args(model, s)
-    args["tensor_parallel_size"] = tp
-    if executor is None and tp > 1:
-        executor = "mp"
-    if executor is not None:
-        args["distributed_executor_backend"] = executor
-    if k > 0:
-        args["speculative_config"] = proposer.speculative_config(k)
-        # vLLM's own per-request acceptance (a histogram of accepted counts per
-        # verify step), returned with each finished request: what the router
-        # attributes to the draft replica that drafted it.
-        args["per_request_spec_decode_metrics"] = "summary"
-    return AsyncEngineArgs(**args)
-
-
 # The draft sink's settings (specserve.target.proposer, specserve.tls) are
 # environment variables with this prefix; vLLM's Ray executor copies only
 # VLLM_*-like variables to its workers unless told to copy more.
@@ -108,7 +107,8 @@ SPECSERVE_ENV_PREFIX = "SPECSERVE_"
 
 def use_replica_placement_group(vllm_config) -> None:
     """Let vLLM's Ray executor place the engine's TP workers in this Serve
-    replica's placement group, one per GPU bundle (what Ray Serve LLM does).
+    replica's placement group, one per GPU bundle (what Ray Serve LLM does;
+    specserve.placement sizes the bundles).
 
     The engine core runs in a child process that joins the cluster as a new
     driver: without the group handed over in `parallel_config` it would make a
@@ -128,21 +128,54 @@ def use_replica_placement_group(vllm_config) -> None:
             p for p in (extra, SPECSERVE_ENV_PREFIX) if p)
 
 
-def start_target_engine(engine_args, stat_loggers=None):
-    """The AsyncLLM of a target replica (the one place it is started in Serve)."""
+def start_engine(args, **kwargs):
+    """AsyncLLM from engine args, also returning the processes it started.
+
+    With the Ray executor (GPU targets in Serve) the workers go in the calling
+    replica's placement group (`use_replica_placement_group`)."""
+    import psutil
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    vllm_config = engine_args.create_engine_config()
-    if vllm_config.parallel_config.distributed_executor_backend == "ray":
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    if args.distributed_executor_backend == "ray":
+        vllm_config = args.create_engine_config()
         use_replica_placement_group(vllm_config)
-    return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers,
-                                     disable_log_stats=engine_args.disable_log_stats)
+        engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=args.disable_log_stats,
+                                           **kwargs)
+    else:
+        engine = AsyncLLM.from_engine_args(args, **kwargs)
+    procs = [p for p in me.children(recursive=True)
+             if p.pid not in before and not _is_resource_tracker(p)]
+    return engine, procs
 
 
-def draft_engine_args(model: str, s: EngineSettings):
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def _is_resource_tracker(p) -> bool:
+    """multiprocessing's resource tracker, started with the engine's first
+    spawned process, lives as long as we do: not an engine process to wait for
+    (waiting for it cost every shutdown its full timeout)."""
+    import psutil
 
-    return AsyncEngineArgs(**_common_args(model, s))
+    try:
+        return "resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def shutdown_engine(engine, procs, timeout: float = 15.0) -> None:
+    """Shut an AsyncLLM down and make sure its processes are gone.
+
+    vLLM's shutdown signals its engine-core and worker processes and returns;
+    a caller that exits right after can leave them orphaned. Wait for them,
+    and kill what is still there after `timeout` seconds.
+    """
+    import psutil
+
+    engine.shutdown()
+    _, alive = psutil.wait_procs([p for p in procs if p.is_running()], timeout=timeout)
+    for p in alive:
+        log.warning("engine process %d did not exit; killing it", p.pid)
+        p.kill()
 
 
 @dataclasses.dataclass
@@ -157,8 +190,8 @@ class SpecTotals:
     running: int = 0  # the engine's batch and queue at its last step
     waiting: int = 0
     # Called with (tokens a decode step verified, seconds since the previous
-    # step) for each decode step that followed a busy one: what adaptive K fits
-    # its step costs on.
+    # step) for each decode step that followed a busy one: what the step-cost
+    # fit is fed with.
     step_observer: Callable[[int, float], None] | None = None
     _last_step: float | None = None
 
@@ -212,3 +245,96 @@ def spec_counter_factory():
             pass
 
     return SpecCounters, totals
+
+
+def _set_env(values: dict[str, str | None]) -> dict[str, str | None]:
+    """Set (None: unset) environment variables; returns what they were."""
+    before = {var: os.environ.get(var) for var in values}
+    for var, value in values.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    return before
+
+
+@dataclasses.dataclass
+class TargetEngine:
+    """A started target: the AsyncLLM, its counters, its measured step cost,
+    where its draft sink listens (None without one) and its processes."""
+
+    engine: object
+    totals: SpecTotals
+    step_costs: StepCostFit
+    sink_address: str | None
+    procs: list
+    k: int
+
+    @classmethod
+    def start(cls, model: str, settings: EngineSettings, *, tp: int = 1, k: int = 0,
+              sink_bind: str = "127.0.0.1:0", sink_host: str = "127.0.0.1", tls=None,
+              cpus: str | None = None, distributed_executor_backend: str | None = None,
+              speculative_config: dict | None = None) -> "TargetEngine":
+        """Start a target engine (blocks while vLLM loads).
+
+        k > 0: the remote-draft proposer with K drafted tokens per step, its sink
+          bound to `sink_bind` and advertised as `sink_host`:port; `tls` (a
+          specserve.tls.TlsFiles) makes the sink require mutual TLS.
+        cpus: the OpenMP core list of the engine's processes (CPU engines).
+        speculative_config: another vLLM speculative config instead of ours
+          (the bench's co-located `draft_model` baseline); no sink then.
+        """
+        from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
+        from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
+
+        apply_cpu_env(settings)
+        extra: dict = {"tensor_parallel_size": tp}
+        if tp > 1:
+            extra["distributed_executor_backend"] = distributed_executor_backend or "mp"
+        elif distributed_executor_backend:
+            extra["distributed_executor_backend"] = distributed_executor_backend
+        tmp = tempfile.TemporaryDirectory(prefix="specserve-target-")
+        port_file = Path(tmp.name) / "sink.port"
+        # The engine builds the proposer in its own worker processes, which
+        # read their settings from the environment they inherit at spawn.
+        env: dict[str, str | None] = {var: None for var in
+                                      (ENV_ADDRESS, ENV_PORT_FILE, ENV_CA, ENV_CERT, ENV_KEY,
+                                       ENV_SERVER_NAME)}
+        if speculative_config is not None:
+            extra["speculative_config"] = speculative_config
+            k = 0
+        elif k > 0:
+            env[ENV_ADDRESS] = sink_bind
+            env[ENV_PORT_FILE] = str(port_file)
+            if tls is not None:
+                tls.read()  # a missing file fails here, with its path
+                env.update(tls.to_env())
+            extra["speculative_config"] = proposer.speculative_config(
+                k, os.environ.get(ENV_PROPOSER_CLASS) or proposer.CLASS_PATH)
+        if "speculative_config" in extra:
+            # vLLM's own per-request acceptance (a histogram of accepted counts
+            # per verify step), returned with each finished request.
+            extra["per_request_spec_decode_metrics"] = "summary"
+        if cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        factory, totals = spec_counter_factory()
+        step_costs = StepCostFit()
+        totals.step_observer = step_costs.add
+        saved = _set_env(env)
+        try:
+            engine, procs = start_engine(engine_args(model, settings, **extra),
+                                         stat_loggers=[factory])
+        finally:
+            _set_env(saved)
+        try:
+            sink = f"{sink_host}:{int(port_file.read_text())}" if k > 0 else None
+        finally:
+            tmp.cleanup()
+        return cls(engine, totals, step_costs, sink, procs, k)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.model_config.max_model_len
+
+    def shutdown(self) -> None:
+        shutdown_engine(self.engine, self.procs)

@@ -15,18 +15,13 @@ class itself, in its own worker processes (which inherit the environment):
   SPECSERVE_SINK_PORT_FILE   if set, the bound port is written there
   SPECSERVE_SINK_MAX_PENDING drafted tokens buffered per request (default 64)
   SPECSERVE_SINK_TLS_{CA,CERT,KEY}  mutual TLS on the sink (see specserve/tls.py)
-  SPECSERVE_EMULATE_TARGET_STEP_MS  tests only: add this much time to every
-                             target step, to emulate a target that is slower
-                             than its draft (as on real hardware, where the
-                             target is many times the draft's size). Never set
-                             it in production: it slows the target on purpose.
+`specserve.target.engine.TargetEngine.start` sets them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 
 from specserve import logs
 from specserve.target.sink import DraftSink
@@ -36,14 +31,13 @@ log = logging.getLogger(__name__)
 ENV_ADDRESS = "SPECSERVE_SINK_ADDRESS"
 ENV_PORT_FILE = "SPECSERVE_SINK_PORT_FILE"
 ENV_MAX_PENDING = "SPECSERVE_SINK_MAX_PENDING"
-ENV_EMULATE_STEP_MS = "SPECSERVE_EMULATE_TARGET_STEP_MS"
 
 CLASS_PATH = "specserve.target.proposer.RemoteDraftProposer"
 
 
-def speculative_config(k: int) -> dict:
-    """The vLLM speculative_config that plugs this proposer in."""
-    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": k}
+def speculative_config(k: int, class_path: str = CLASS_PATH) -> dict:
+    """The vLLM speculative_config that plugs this proposer (or a subclass) in."""
+    return {"method": "custom_class", "model": class_path, "num_speculative_tokens": k}
 
 
 class RemoteDraftProposer:
@@ -55,7 +49,6 @@ class RemoteDraftProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.sink: DraftSink | None = None
-        self.emulated_step_s = float(os.environ.get(ENV_EMULATE_STEP_MS, "0")) / 1000.0
 
     def load_model(self, *args, **kwargs) -> None:
         # vLLM calls this once per worker after the target model is loaded.
@@ -95,8 +88,6 @@ class RemoteDraftProposer:
         n = len(sampled_token_ids)
         if self.sink is None:
             return [[] for _ in range(n)]
-        if self.emulated_step_s > 0:
-            time.sleep(self.emulated_step_s)  # tests only: a bigger target's forward pass
         # Views, not copies: row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]].
         histories = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
         active = [bool(s) for s in sampled_token_ids]

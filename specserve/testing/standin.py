@@ -86,19 +86,16 @@ class StandInTarget:
         from deployments import replica_name
         from specserve.config import AppConfig
         from specserve.placement import target_placement
-        from specserve.target.engine import (
-            settings_from,
-            target_engine_args,
-            use_replica_placement_group,
-        )
+        from specserve.target.engine import engine_args, settings_from, use_replica_placement_group
 
         cfg = AppConfig.model_validate(config)
         t = cfg.target
         place = target_placement(t)
         if place.executor != "ray":
             raise ValueError("StandInTarget places GPU workers; give the target gpus_per_worker")
-        args = target_engine_args(t.model, settings_from(t.engine), tp=t.tensor_parallel_size,
-                                  executor=place.executor)
+        args = engine_args(t.model, settings_from(t.engine),
+                           tensor_parallel_size=t.tensor_parallel_size,
+                           distributed_executor_backend=place.executor)
         vllm_config = args.create_engine_config()
         vllm_config.parallel_config.worker_cls = f"{__name__}.ProbeWorker"
         use_replica_placement_group(vllm_config)

@@ -190,7 +190,8 @@ def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int,
             seeds: int = 10) -> dict:
     """The simulator's expectation for a cell: means over `seeds` runs (a cell is
     a few hundred tokens, so one run's acceptance is noisy)."""
-    from specserve.tools.simulate.model import Profile, simulate
+    from specserve.tools.simulate.model import simulate
+    from specserve.tools.simulate.profile import Profile
 
     profile = Profile.from_dict(profile_dict)
     runs = [simulate(profile, _scenario(cell, lookahead, prompt_len, seed))
@@ -201,7 +202,7 @@ def predict(profile_dict: dict, cell: dict, lookahead: int, prompt_len: int,
 
 
 def _scenario(cell: dict, lookahead: int, prompt_len: int, seed: int):
-    from specserve.tools.simulate.model import Scenario
+    from specserve.tools.simulate.scenario import Scenario
 
     return Scenario(targets=1, drafts=1 if cell["k"] else 0, k=cell["k"], lookahead=lookahead,
                     alpha=cell["alpha"] if cell["alpha"] is not None else 0.0,

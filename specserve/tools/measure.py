@@ -1,13 +1,14 @@
 """Measuring the real system for the simulator: step-cost profiles and throughput cells.
 
-Owns the measurement harness that `specserve profile`, the calibration
-(`python -m specserve.calibrate`) and `make gpu-check` share:
+Owns the measurement harness that `python -m specserve.tools.gpucheck` runs
+(its presets: `make gpu-check` on a GPU, `--preset tiny` in the tests,
+`--preset calibrate` for the simulator's calibration, docs/calibration.md):
 
 - `run_cell`: one (system, concurrency) measurement on a running `LocalSpec`:
   n prompts through the engine with at most C in flight; output tokens per
   second, per-request latency per token, and vLLM's own spec-decode counters
   (acceptance, coverage).
-- `measure_profile`: a `specserve-profile/1` (specserve/simulate.py) for a
+- `measure_profile`: a `specserve-profile/1` (specserve/tools/simulate/profile.py) for a
   target on this hardware. Step time is the difference of two runs that differ
   only in output length (so start-up, prefill and the last step cancel):
   target-only at several batch sizes gives step_ms(tokens = batch); the
@@ -33,6 +34,8 @@ import random
 import sys
 import time
 from pathlib import Path
+
+from specserve.acceptance.record import Figures, percentile
 
 log = logging.getLogger(__name__)
 
@@ -122,20 +125,28 @@ class Cell:
         return self.output_tokens / self.wall_s
 
     @property
+    def figures(self) -> Figures:
+        """The acceptance figures of this cell (specserve.acceptance.record)."""
+        return Figures(output_tokens=self.output_tokens, draft_tokens=self.draft_tokens,
+                       accepted_tokens=self.accepted_tokens,
+                       steps=max(self.output_tokens - self.accepted_tokens, 0),
+                       steps_with_drafts=self.steps_with_drafts)
+
+    @property
     def request_steps(self) -> int:
-        return self.output_tokens - self.accepted_tokens
+        return self.figures.steps
 
     @property
     def coverage(self) -> float | None:
-        return self.steps_with_drafts / self.request_steps if self.k else None
+        return self.figures.coverage if self.k else None
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+        return self.figures.acceptance_rate if self.draft_tokens else None
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return (1 + self.accepted_tokens / self.steps_with_drafts) if self.steps_with_drafts else None
+        return self.figures.mean_accepted_length if self.steps_with_drafts else None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -169,13 +180,12 @@ async def run_cell(spec, prompts: list[list[int]], max_tokens: int, concurrency:
     await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
     after = spec.totals
-    per_token.sort()
     return Cell(system=system, concurrency=concurrency, k=spec.k, alpha=alpha,
                 prompts=len(prompts), max_tokens=max_tokens, output_tokens=tokens, wall_s=wall,
                 draft_tokens=after.draft_tokens - before.draft_tokens,
                 accepted_tokens=after.accepted_tokens - before.accepted_tokens,
                 steps_with_drafts=after.num_drafts - before.num_drafts,
-                latency_per_token_ms_p50=per_token[len(per_token) // 2])
+                latency_per_token_ms_p50=percentile(per_token, 50))
 
 
 async def use_synthetic(spec, alpha: float, delay_ms: float = 0.0) -> None:

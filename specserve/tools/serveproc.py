@@ -1,10 +1,11 @@
 """`specserve serve` as a child process, and a small HTTP client for it.
 
-Owns: starting the serve command with a config file on a free port, waiting
-until it answers, stopping it with SIGTERM (killing whatever it leaves behind),
-and the plain-urllib requests `specserve bench` sends (a streaming chat
-completion read as server-sent events, a JSON GET). No Ray or Serve imports:
-everything goes through the command line and HTTP, as a user's would.
+Owns: starting the serve command with a config file on a free port
+(`specserve.ports.free_port`), waiting until it answers,
+stopping it with SIGTERM (killing whatever it leaves behind, and saying so),
+and the plain-urllib requests `specserve bench` and the tests send (JSON GET and
+POST, a streaming chat completion read as server-sent events). No Ray or Serve
+imports: everything goes through the command line and HTTP, as a user's would.
 """
 
 from __future__ import annotations
@@ -12,33 +13,44 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specserve.ports import free_port
 
 
-def get(url: str, timeout: float = 30):
-    """(status, parsed JSON body or text)."""
+def _body(raw: bytes):
+    """JSON when it is JSON (ours always is; Serve's proxy may answer in text)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            raw, status = r.read(), r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
-    try:
-        return status, json.loads(raw or b"null")
+        return json.loads(raw or b"null")
     except ValueError:
-        return status, raw.decode(errors="replace")
+        return raw.decode(errors="replace")
+
+
+def get(url: str, headers: dict | None = None, timeout: float = 30):
+    """(status, parsed JSON body or text) of a GET."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, _body(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _body(e.read())
+
+
+def post(url: str, body, headers: dict | None = None, timeout: float = 120):
+    """(status, parsed JSON body or text) of a POST; raw bytes allowed as body."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, _body(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _body(e.read())
 
 
 def stream_chat(url: str, body: dict, timeout: float = 600):
@@ -71,29 +83,40 @@ def stream_chat(url: str, body: dict, timeout: float = 600):
 
 
 class ServeProcess:
-    """`python -m specserve.cli serve CONFIG` with config(port) written to workdir."""
+    """`python -m specserve.cli serve [CONFIG]` on a free port, its output in
+    workdir/serve.log. `config`: a config mapping (its http.port is set to the
+    free port) or None for the embedded default (`--port` passed); extra_args
+    go to the command line, env on top of this process's environment."""
 
-    def __init__(self, config: Callable[[int], dict], workdir: Path):
-        import yaml
-
+    def __init__(self, config: dict | None, workdir: Path, extra_args: list[str] = (),
+                 env: dict | None = None):
         self.port = free_port()
         workdir.mkdir(parents=True, exist_ok=True)
-        path = workdir / "serve-config.yaml"
-        path.write_text(yaml.safe_dump(config(self.port)))
+        args = [sys.executable, "-m", "specserve.cli", "serve"]
+        if config is not None:
+            import yaml
+
+            config = {**config, "http": {**config.get("http", {}), "port": self.port}}
+            path = workdir / "serve-config.yaml"
+            path.write_text(yaml.safe_dump(config))
+            args.append(str(path))
+        else:
+            args += ["--port", str(self.port)]
         self.logfile = workdir / "serve.log"
         self._log = open(self.logfile, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specserve.cli", "serve", str(path)],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ), start_new_session=True)
+            args + list(extra_args), stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self._seen: dict = {}
+        self.left_running: list[int] = []  # pids stop() had to kill
 
-    def tail(self, n: int = 3000) -> str:
+    def tail(self, n: int = 4000) -> str:
         self._log.flush()
         return self.logfile.read_text()[-n:]
 
-    def _remember_children(self) -> None:
+    def remember_children(self) -> None:
+        """Note the processes serve has started, so stop() can check they end."""
         import psutil
 
         try:
@@ -103,27 +126,32 @@ class ServeProcess:
             pass
 
     def wait_ready(self, model: str, timeout: float = 600) -> None:
+        """Until serve says it is serving (every pool up) and a 1-token
+        completion of `model` succeeds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"specserve serve exited early:\n{self.tail()}")
             if "specserve: serving" in self.tail(10**7):
                 try:
-                    stream_chat(f"{self.url}/v1/chat/completions",
-                                {"model": model, "max_tokens": 1, "stream": True,
-                                 "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
-                    self._remember_children()
-                    return
-                except (RuntimeError, OSError):
+                    status, _ = post(f"{self.url}/v1/completions",
+                                     {"model": model, "prompt": "hi", "max_tokens": 1},
+                                     timeout=30)
+                    if status == 200:
+                        self.remember_children()
+                        return
+                except OSError:  # URLError, connection refused or reset, timeouts
                     pass
             time.sleep(2)
         raise RuntimeError(f"specserve serve not ready after {timeout:.0f}s:\n{self.tail()}")
 
-    def stop(self, timeout: float = 120) -> int:
-        """SIGTERM and wait; processes it leaves behind are killed."""
+    def stop(self, timeout: float = 120, require_clean: bool = False) -> int:
+        """SIGTERM and wait; returns serve's exit code. Processes it leaves
+        behind are killed and listed in `left_running`; with require_clean, any
+        such process is an error (RuntimeError)."""
         import psutil
 
-        self._remember_children()
+        self.remember_children()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -135,4 +163,7 @@ class ServeProcess:
         for p in alive:
             p.kill()
         self._log.close()
+        self.left_running = [p.pid for p in alive]
+        if require_clean and alive:
+            raise RuntimeError(f"left running after shutdown: {self.left_running}")
         return code

@@ -1,23 +1,15 @@
-"""The acceptance arithmetic alone (specserve.acceptance.stats)."""
+"""The acceptance picture alone (specserve.acceptance.stats and .prometheus)."""
 
-import pytest
-
-from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
-
-
-def rec(model, replica, hist, out, draft_tokens, k=4, target="t1", ttft=0.1, dur=1.0, at=100.0):
-    return RequestRecord(draft_model=model, draft_replica=replica, target_replica=target, k=k,
-                         output_tokens=out, draft_tokens=draft_tokens, accepted_histogram=hist,
-                         ttft_s=ttft, duration_s=dur, finished_at=at)
+from specserve.acceptance.prometheus import prometheus_text
+from specserve.acceptance.record import Acceptance, TargetReport
+from specserve.acceptance.stats import RequestRecord, SpecStats
 
 
-def test_record_figures_follow_the_histogram():
-    # 3 verify steps with drafts: accepted 0, 2 and 4 of 4 drafted each.
-    r = rec("good", "r1", [1, 0, 1, 0, 1], out=20, draft_tokens=12)
-    assert r.accepted_tokens == 6
-    assert r.steps_with_drafts == 3
-    assert r.steps == 14  # 20 tokens - 6 accepted
-    assert r.accepted_per_position(4) == [2, 2, 1, 1]
+def rec(model, replica, hist, out, draft_tokens, k=4, target="t1", ttft=0.1, dur=1.0, at=100.0,
+        **live):
+    report = TargetReport(target, model, replica, Acceptance(k, out, draft_tokens, tuple(hist)),
+                          **live)
+    return RequestRecord(report, ttft_s=ttft, duration_s=dur, finished_at=at)
 
 
 def test_figures_add_up_per_model_replica_and_target():
@@ -54,9 +46,9 @@ def test_end_to_end_window_and_prometheus_text():
 
 def test_goodput_target_live_figures_and_draft_lag():
     s = SpecStats(k=2, slo_ttft_s=1.0, slo_tpot_s=0.1)
-    fast = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=0.5, dur=1.0, at=50.0)
+    fast = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=0.5, dur=1.0, at=50.0,
+               target_running=3, target_waiting=1, draft_lag=2.5)
     slow = rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, ttft=3.0, dur=4.0, at=50.0)
-    fast.target_running, fast.target_waiting, fast.draft_lag = 3, 1, 2.5
     s.record(slow)
     s.record(fast)
     e2e = s.end_to_end(now=60.0)
@@ -69,16 +61,3 @@ def test_goodput_target_live_figures_and_draft_lag():
     assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
     assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
     assert "specserve_goodput_tokens_per_second" in text
-
-
-def test_alpha_is_conditional_acceptance_up_to_each_requests_k():
-    from specserve.acceptance.stats import Figures
-
-    f = Figures()
-    # K=4: 10 steps with drafts; positions tried 10 + 6 + 3 + 1, accepted 6 + 3 + 1 + 0
-    f.add(RequestRecord(None, None, "t", 4, 30, 40, [4, 3, 2, 1, 0], 0.1, 1.0, 0.0), 4)
-    assert f.alpha == pytest.approx(10 / 20) and f.acceptance_rate == pytest.approx(10 / 40)
-    # K=1 (a window of one): only position 0 is tried, 5 times, 2 accepted
-    f.add(RequestRecord(None, None, "t", 1, 20, 5, [3, 2, 0, 0, 0], 0.1, 1.0, 0.0), 4)
-    assert f.alpha == pytest.approx(12 / 25)
-    assert f.as_dict()["alpha"] == f.alpha

@@ -3,9 +3,12 @@
 import pytest
 
 from specserve.control.policy import (
-    MIN_REQUESTS, MIN_SAMPLES, PROBE_EVERY, PoolView, StepCost, choose, choose_k, expected_tokens,
+    PoolView, Thresholds, StepCost, choose, choose_k, expected_tokens,
     modelled_cost, pool_k, predicted_rate, speedup,
 )
+
+TH = Thresholds()
+MIN_REQUESTS, MIN_SAMPLES, PROBE_EVERY = TH.min_requests, TH.min_drafted_tokens, TH.probe_every
 
 
 def test_expected_tokens_closed_form_and_edges():

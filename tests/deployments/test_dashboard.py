@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS
-from serving import ServeProcess, get, post
+from conftest import SLOW_TARGET_ENV
+from specserve.tools.serveproc import ServeProcess, get, post
 from test_serve import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def app(tiny_models, tmp_path_factory):
                                        "upscale_delay_s": 600, "downscale_delay_s": 600}
     config["http"] = {"api_key": KEY}
     server = ServeProcess(config, tmp_path_factory.mktemp("dashboard"),
-                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
+                          env=SLOW_TARGET_ENV)
     try:
         deadline = time.monotonic() + 600
         while "specserve: serving" not in server.tail(10**7):
@@ -52,7 +52,7 @@ def app(tiny_models, tmp_path_factory):
         server.remember_children()
         yield server
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()
 
 
 def stats(app) -> dict:

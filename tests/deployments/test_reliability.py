@@ -34,9 +34,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EMULATED_TARGET_STEP_MS
+from conftest import SLOW_TARGET_ENV
 from fuzz_bodies import chat_bytes, completion_bytes
-from serving import ServeProcess, get, post
+from specserve.tools.serveproc import ServeProcess, get, post
 from specserve.testing.certs import SERVER_NAME, make_pki
 
 pytestmark = pytest.mark.slow
@@ -64,12 +64,12 @@ def app(tiny_models, tmp_path_factory):
         "ray": {"num_cpus": 4},
     }
     server = ServeProcess(config, tmp_path_factory.mktemp("serve"),
-                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
+                          env=SLOW_TARGET_ENV)
     try:
         server.wait_ready("tiny")
         yield server
     finally:
-        server.stop()  # (a killed replica's exit codes may make serve's own code nonzero)
+        server.stop(require_clean=True)  # (a killed replica's exit codes may make serve's own code nonzero)
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,15 @@
 with a stand-in target handle: no Ray, no engine."""
 
 import asyncio
-import itertools
 
 import pytest
 
 from deployments.router import COST_REFRESH_S, Router
+from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.control import policy
+from specserve.control.controller import KController
+
+PROBE_EVERY = policy.Thresholds().probe_every
 from specserve.acceptance.stats import RequestRecord, SpecStats
 
 
@@ -32,17 +35,16 @@ def router(step_cost, k_max=4):
     r = Router.__new__(Router)  # the parts choose_draft uses, without tokenizer or Ray
     r.target = FakeTarget(step_cost)
     r.draft_names = ["smollm2-distill"]
-    r._turn = itertools.count(1)
     r.k_max = k_max
     r.stats = SpecStats(k_max)
     r.inflight = {}
     r.capacity = 64
     r.replicas = {"smollm2-distill": 1}
     r.target_replicas = 1
-    r.last_choice = None
+    r.controller = KController(k_max, r.replicas)
+    r.controller.turn = 1
     r._cost = (float("-inf"), None)
     r._cost_task = None
-    r.k_inputs = {}
     return r
 
 
@@ -50,8 +52,9 @@ def record(r, requests=8):
     """Finished requests like the default draft's here: alpha 0.29, coverage 0.12."""
     for _ in range(requests):  # 200 steps, 24 with drafts, 10 of 96 drafted tokens accepted
         r.stats.record(RequestRecord(
-            draft_model="smollm2-distill", draft_replica="d0", target_replica="t0", k=4,
-            output_tokens=200 + 10, draft_tokens=96, accepted_histogram=[16, 6, 2, 0, 0],
+            TargetReport("t0", "smollm2-distill", "d0",
+                         Acceptance(k=4, output_tokens=200 + 10, draft_tokens=96,
+                                    accepted_histogram=(16, 6, 2, 0, 0))),
             ttft_s=0.1, duration_s=2.0, finished_at=0.0))
 
 
@@ -61,13 +64,14 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         r = router(cpu)
         record(r)
         first = r.choose_draft()  # nothing fetched yet: the load model decides
-        assert r.k_inputs["cost_source"] == "modelled" and r.k_inputs["step_cost"] is None
+        assert r.controller.inputs["cost_source"] == "modelled" and r.controller.inputs["step_cost"] is None
         await r._cost_task  # the background fetch completes
         assert r.target.spec_totals.calls == 1
-        picks = [r.choose_draft() for _ in range(2 * policy.PROBE_EVERY)]
+        picks = [r.choose_draft() for _ in range(2 * PROBE_EVERY)]
         assert r.target.spec_totals.calls == 1  # cached for COST_REFRESH_S: one call
-        assert r.k_inputs["cost_source"] == "measured" and r.k_inputs["step_cost"] == cpu
-        pool = r.k_inputs["pools"]["smollm2-distill"]
+        assert r.controller.inputs["cost_source"] == "measured" and r.controller.inputs["step_cost"] == {
+            k: v for k, v in cpu.items() if k != "steps"}
+        pool = r.controller.inputs["pools"]["smollm2-distill"]
         assert pool["alpha"] == pytest.approx(10 / 34) and pool["coverage"] == pytest.approx(0.12)
         assert pool["k"] == 0 and r.stats.current_k["smollm2-distill"] == 0, (first, pool)
         # held at K=0, but probed at full K every PROBE_EVERY requests
@@ -91,14 +95,15 @@ def test_cheap_verification_keeps_a_good_draft_speculating():
         r = router({"fixed_s": 0.025, "per_token_s": 0.00001, "steps": 100})
         for _ in range(8):  # alpha ~0.95, drafts at most steps
             r.stats.record(RequestRecord(
-                draft_model="smollm2-distill", draft_replica="d0", target_replica="t0", k=4,
-                output_tokens=100, draft_tokens=80, accepted_histogram=[0, 1, 1, 1, 17],
+                TargetReport("t0", "smollm2-distill", "d0",
+                             Acceptance(k=4, output_tokens=100, draft_tokens=80,
+                                        accepted_histogram=(0, 1, 1, 1, 17))),
                 ttft_s=0.1, duration_s=2.0, finished_at=0.0))
         r.choose_draft()
         await r._cost_task
         c = r.choose_draft()
-        assert r.k_inputs["cost_source"] == "measured"
+        assert r.controller.inputs["cost_source"] == "measured"
         assert c.pool == "smollm2-distill" and c.k == 4
-        assert r.k_inputs["pools"]["smollm2-distill"]["predicted_speedup"] > 2
+        assert r.controller.inputs["pools"]["smollm2-distill"]["predicted_speedup"] > 2
 
     asyncio.run(go())

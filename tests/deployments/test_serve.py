@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS
-from serving import ServeProcess, get, post
+from conftest import SLOW_TARGET_ENV
+from specserve.tools.serveproc import ServeProcess, get, post
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +43,12 @@ def app(tiny_models, tmp_path_factory):
     server = ServeProcess(tiny_config(tiny_models, [("unrelated", "unrelated"),
                                                      ("same", "target")]),
                           tmp_path_factory.mktemp("serve"),
-                          env={"SPECSERVE_EMULATE_TARGET_STEP_MS": EMULATED_TARGET_STEP_MS})
+                          env=SLOW_TARGET_ENV)
     try:
         server.wait_ready("tiny")
         yield server
     finally:
-        code = server.stop()
+        code = server.stop(require_clean=True)
         assert code == 0, server.tail()
 
 
@@ -223,4 +223,4 @@ def test_api_key_is_required_when_set(tiny_models, tmp_path):
             time.sleep(2)
         assert status == 200 and ok["usage"]["completion_tokens"] == 2
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import ServeProcess
+from specserve.tools.serveproc import ServeProcess
 from test_serve import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -51,4 +51,4 @@ def test_draft_pool_scales_up_under_load_and_down_when_idle(tiny_models, tmp_pat
         down = wait_for_log(server, r"specserve autoscale draft-same: \d -> 1 replicas: idle", 180)
         assert down, "the draft policy never scaled back down when idle"
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import ServeProcess
+from specserve.tools.serveproc import ServeProcess
 
 pytestmark = pytest.mark.slow
 
@@ -39,4 +39,4 @@ def test_default_app_answers_the_readme_examples(tmp_path, monkeypatch):
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip()
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import ServeProcess
+from specserve.tools.serveproc import ServeProcess
 from test_serve import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -42,4 +42,4 @@ def test_eight_concurrent_streams_on_tp2_with_two_draft_replicas(tiny_models, tm
         log = server.tail(200000)
         assert "draft-same" in log and "tensor_parallel_size=2" in log
     finally:
-        assert server.stop() == 0, server.tail()
+        assert server.stop(require_clean=True) == 0, server.tail()

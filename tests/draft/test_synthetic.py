@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from specserve.tools.bench import stats as benchstats
+from specserve.acceptance.record import Figures
 from specserve.draft import synthetic
 from specserve.draft.runner import DraftRunner
 
@@ -116,16 +116,6 @@ def test_runner_waits_when_the_model_has_nothing():
     assert before == 1 and after == 2
 
 
-def test_conditional_acceptance_arithmetic():
-    # 100 steps with K=3 full windows; 80 accepted at 0, 64 at 1, 51 at 2.
-    acc, drafted = [80, 64, 51], [100, 100, 100]
-    assert benchstats.per_position_acceptance(acc, drafted) == [0.8, 0.8, 51 / 64]
-    assert benchstats.conditional_acceptance(acc, drafted) == pytest.approx(195 / 244)
-    assert benchstats.conditional_acceptance([], []) is None
-    # vLLM's plain rate for the same draft is far lower than alpha.
-    assert benchstats.plain_acceptance_for(0.8, 4) == pytest.approx((3.3616 - 1) / 4)
-
-
 # ---- against a live target ----------------------------------------------------------
 
 ALPHA = 0.8
@@ -155,10 +145,10 @@ def test_acceptance_is_alpha_and_output_is_target_only(tiny_models):
     outs, totals = asyncio.run(run())
     reference = greedy_reference(target, PROMPTS, TOKENS)
     assert [o.token_ids for o in outs] == reference
-    alpha_hat = benchstats.conditional_acceptance(totals.accepted_per_position,
-                                                  totals.draft_per_position)
-    trials = sum(benchstats.position_trials(totals.accepted_per_position,
-                                            totals.draft_per_position))
+    f = Figures.of_engine(sum(len(o.token_ids) for o in outs), totals.num_drafts,
+                          totals.draft_tokens, totals.accepted_per_position,
+                          totals.draft_per_position)
+    alpha_hat, trials = f.alpha, f.alpha_trials
     assert trials >= 1200, totals  # enough drafts reached the target to judge
     assert abs(alpha_hat - ALPHA) <= 0.03, (alpha_hat, totals)
     # ... while vLLM's plain accepted/drafted is well below alpha.

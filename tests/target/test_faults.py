@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS, PROMPTS
+from conftest import PROMPTS, SLOW_TARGET_ENV
 from specserve.target.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
 from specserve.v1 import spec_pb2, spec_pb2_grpc
@@ -51,7 +51,7 @@ def loop():
 
 
 def slow_target_env():
-    os.environ["SPECSERVE_EMULATE_TARGET_STEP_MS"] = EMULATED_TARGET_STEP_MS
+    os.environ.update(SLOW_TARGET_ENV)
 
 
 class HostileDraft(threading.Thread):
@@ -189,7 +189,8 @@ def test_garbage_on_the_wire_changes_no_output(tiny_models, reference, loop):
         assert again[0].token_ids == reference[0]
     finally:
         loop.run(spec.aclose())
-        os.environ.pop("SPECSERVE_EMULATE_TARGET_STEP_MS", None)
+        for var in SLOW_TARGET_ENV:
+            os.environ.pop(var, None)
 
 
 def test_killing_the_draft_mid_generation(tiny_models, loop):
@@ -225,4 +226,5 @@ def test_killing_the_draft_mid_generation(tiny_models, loop):
         assert spec.totals.accepted_tokens >= accepted_at_kill
     finally:
         loop.run(spec.aclose())
-        os.environ.pop("SPECSERVE_EMULATE_TARGET_STEP_MS", None)
+        for var in SLOW_TARGET_ENV:
+            os.environ.pop(var, None)

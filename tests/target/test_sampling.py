@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import EMULATED_TARGET_STEP_MS
+from conftest import SLOW_TARGET_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,8 @@ def test_sampling_with_speculation_matches_the_target_distribution(tiny_models, 
     assert chi_square_p(simulate(truth, N, lambda p: p ** 0.5, seed=2), truth) < 1e-6
     assert chi_square_p(simulate(truth, N, lambda p: p, seed=3), truth) > P_THRESHOLD
 
-    monkeypatch.setenv("SPECSERVE_EMULATE_TARGET_STEP_MS", EMULATED_TARGET_STEP_MS)
+    for var, value in SLOW_TARGET_ENV.items():
+        monkeypatch.setenv(var, value)
 
     async def run():
         settings = EngineSettings(dtype="float32", kv_cache_gib=1, seed=1234)

@@ -16,7 +16,7 @@ import threading
 import grpc
 import pytest
 
-from conftest import EMULATED_TARGET_STEP_MS, PROMPTS
+from conftest import PROMPTS, SLOW_TARGET_ENV
 from specserve.target.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
 from specserve.testing.certs import SERVER_NAME, make_pki
@@ -121,7 +121,7 @@ def setup(tiny_models, tmp_path_factory):
     target = str(tiny_models["target"])
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     tls = TlsFiles(pki["ca"], pki["server_cert"], pki["server_key"], SERVER_NAME)
-    os.environ["SPECSERVE_EMULATE_TARGET_STEP_MS"] = EMULATED_TARGET_STEP_MS
+    os.environ.update(SLOW_TARGET_ENV)
     loop = Loop()
     spec = LocalSpec(target, target, k=4, lookahead=8,
                      settings=EngineSettings(dtype="float32", kv_cache_gib=1), tls=tls)
@@ -132,7 +132,8 @@ def setup(tiny_models, tmp_path_factory):
     finally:
         loop.run(spec.aclose())
         loop.loop.call_soon_threadsafe(loop.loop.stop)
-        os.environ.pop("SPECSERVE_EMULATE_TARGET_STEP_MS", None)
+        for var in SLOW_TARGET_ENV:
+            os.environ.pop(var, None)
 
 
 def generate(s):

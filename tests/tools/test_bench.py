@@ -12,10 +12,11 @@ import json
 
 import pytest
 
-from specserve.tools.bench import run as bench
-
+from specserve.acceptance.record import Acceptance
+from specserve.tools.bench import report, run, workload
 from specserve.tools.bench import stats as benchstats
-from specserve.tools.bench.run import Counters, Prompt, RequestResult
+from specserve.tools.bench.backends import Counters, RequestResult
+from specserve.tools.bench.workload import Prompt
 
 # ---- pure -------------------------------------------------------------------------
 
@@ -23,49 +24,47 @@ from specserve.tools.bench.run import Counters, Prompt, RequestResult
 def test_parse_and_select_prompts():
     lines = [json.dumps({"question_id": i, "category": c, "turns": [f"q{i}", "second"]})
              for i, c in enumerate(["a", "a", "a", "b", "c"])]
-    prompts = bench.parse_prompts(lines + [""])
+    prompts = workload.parse_prompts(lines + [""])
     assert [p.text for p in prompts] == ["q0", "q1", "q2", "q3", "q4"]
-    picked = bench.select_prompts(prompts, 4)
+    picked = workload.select_prompts(prompts, 4)
     assert [p.category for p in picked] == ["a", "b", "c", "a"]  # categories in turn
-    assert len(bench.select_prompts(prompts, 50)) == 5
+    assert len(workload.select_prompts(prompts, 50)) == 5
     with pytest.raises(ValueError, match="Spec-Bench"):
-        bench.parse_prompts(['{"category": "a"}'])
+        workload.parse_prompts(['{"category": "a"}'])
     with pytest.raises(ValueError, match="no prompts"):
-        bench.parse_prompts([])
+        workload.parse_prompts([])
 
 
 def test_the_shipped_sample_parses():
-    prompts = bench.parse_prompts(bench.SAMPLE_PROMPTS.read_text().splitlines())
+    prompts = workload.parse_prompts(workload.SAMPLE_PROMPTS.read_text().splitlines())
     assert len(prompts) == 23 and len({p.category for p in prompts}) == 13
 
 
 def test_percentile_and_ratio():
-    assert benchstats.percentile([3, 1, 2], 50) == 2
-    assert benchstats.percentile([1, 2], 99) == pytest.approx(1.99)
-    assert benchstats.percentile([], 50) is None
     assert benchstats.ratio(3.0, 2.0) == 1.5 and benchstats.ratio(1.0, 0.0) is None
 
 
 def result(tokens, start, first, end, cat="x"):
     return RequestResult(Prompt("q", cat, "t"), [1] * tokens, None, tokens, start, first, end,
-                         {"histogram": [1, 1, 2], "draft_tokens": 8})
+                         Acceptance(k=2, output_tokens=tokens, draft_tokens=8,
+                                    accepted_histogram=(1, 1, 2)))
 
 
 def test_summarize_rows_and_comparisons():
     rs = [result(11, 0.0, 0.1, 1.1), result(11, 0.0, 0.2, 2.2)]
-    base = bench.summarize("target_only", 1, None, 0, rs, 2.0, None, speculative=False)
+    base = report.summarize("target_only", 1, None, 0, rs, 2.0, None, speculative=False)
     assert base["output_tokens_per_s"] == 11.0
     assert base["tpot_p50_ms"] == pytest.approx(150.0) and base["ttft_p50_ms"] == pytest.approx(150.0)
     assert base["acceptance_rate"] is None and base["coverage"] is None
     fast = [result(11, 0.0, 0.1, 0.6), result(11, 0.0, 0.1, 0.6)]
     c = Counters(num_drafts=4, draft_tokens=16, accepted_tokens=8, accepted_per_position=[4, 3, 1, 0],
                  draft_per_position=[4, 4, 4, 4])
-    syn = bench.summarize("specserve_synthetic", 1, 0.8, 4, fast, 1.0, c, speculative=True)
+    syn = report.summarize("specserve_synthetic", 1, 0.8, 4, fast, 1.0, c, speculative=True)
     assert syn["acceptance_rate"] == 0.5 and syn["mean_accepted_length"] == 3.0
     assert syn["conditional_acceptance"] == pytest.approx(8 / (4 + 4 + 3 + 1))
     assert syn["coverage"] == pytest.approx(4 / 14) and syn["tokens_per_step"] == pytest.approx(22 / 14)
     rows = [base, syn]
-    bench.add_comparisons(rows)
+    report.add_comparisons(rows)
     assert syn["speedup_vs_target_only"] == 2.0 and base["speedup_vs_target_only"] == 1.0
     assert syn["speedup_vs_vllm_draft_model"] is None
     # A verify step takes tpot * tokens/step over a target-only token's time.
@@ -77,21 +76,21 @@ def test_summarize_rows_and_comparisons():
 
 def test_category_rows_and_pooling():
     rs = [result(11, 0, 0.1, 1.1, "a"), result(11, 0, 0.1, 1.1, "b")]
-    cats = bench.category_rows("specserve", 1, None, rs)
+    cats = report.category_rows("specserve", 1, None, rs)
     assert [r["category"] for r in cats] == ["a", "b"]
     assert cats[0]["acceptance_rate"] == pytest.approx(5 / 8)  # histogram [1,1,2]: 0+1+4
     assert cats[0]["mean_accepted_length"] == pytest.approx(1 + 5 / 4)
-    r1 = bench.summarize("target_only", 1, None, 0, rs, 2.0, None, False)
-    r2 = bench.summarize("target_only", 1, None, 0, rs, 4.0, None, False)
-    pooled = bench.pool([r1, r2])
+    r1 = report.summarize("target_only", 1, None, 0, rs, 2.0, None, False)
+    r2 = report.summarize("target_only", 1, None, 0, rs, 4.0, None, False)
+    pooled = report.pool([r1, r2])
     assert pooled["output_tokens"] == 44 and pooled["output_tokens_per_s"] == pytest.approx(44 / 6)
 
 
 def test_markdown_lists_every_row():
-    rows = [bench.summarize(s, 1, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(), s != "target_only")
+    rows = [report.summarize(s, 1, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(), s != "target_only")
             for s, a in [("target_only", None), ("specserve", None), ("specserve_synthetic", 0.8)]]
-    bench.add_comparisons(rows)
-    text = bench.markdown({"results": rows, "by_category": [], "notes": ["n"],
+    report.add_comparisons(rows)
+    text = report.markdown({"results": rows, "by_category": [], "notes": ["n"],
                            "greedy_mismatches": []})
     for s in ("target_only", "specserve", "specserve_synthetic"):
         assert f"| {s} |" in text
@@ -121,10 +120,10 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
                    "--num-prompts", "4", "--max-tokens", "24", "--concurrency", "1", "2",
                    "--synthetic-alpha", "0.8", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    report = json.loads(out.read_text())
-    rows = report["results"]
+    got = json.loads(out.read_text())
+    rows = got["results"]
     systems = {(r["system"], r["concurrency"]) for r in rows}
-    assert systems == {(s, c) for s in bench.SYSTEMS for c in (1, 2)}
+    assert systems == {(s, c) for s in workload.SYSTEMS for c in (1, 2)}
     for r in rows:
         for key, types in ROW_TYPES.items():
             assert isinstance(r[key], types), (key, r)
@@ -135,11 +134,11 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
         assert (r["acceptance_rate"] is not None) == (speculative and r["draft_tokens"] > 0)
     syn = [r for r in rows if r["system"] == "specserve_synthetic"]
     assert all(r["alpha"] == 0.8 and r["ideal_speedup"] > 0 for r in syn)
-    assert report["greedy_mismatches"] == []
-    assert {c["category"] for c in report["by_category"]} == set(cats)
+    assert got["greedy_mismatches"] == []
+    assert {c["category"] for c in got["by_category"]} == set(cats)
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for s in bench.SYSTEMS:
+    for s in workload.SYSTEMS:
         assert f"| {s} |" in proc.stdout
     assert "[bench" in proc.stderr  # progress went to stderr
 
@@ -184,31 +183,31 @@ def test_run_system_rows_and_the_greedy_check(tmp_path):
     import asyncio
 
     prompts = [Prompt(str(i), "ab"[i % 2], "t", [i + 1, i + 2]) for i in range(4)]
-    a = bench.BenchArgs(target="t", draft="d", prompts_file=tmp_path, num_prompts=4,
+    a = workload.BenchArgs(target="t", draft="d", prompts_file=tmp_path, num_prompts=4,
                         max_tokens=6, temperature=0.0, concurrency=[1, 2], alphas=[],
                         k=4, systems=[])
     params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     rows, cats, bad, first = asyncio.run(
-        bench.run_system(FakeBackend("target_only"), prompts, a, params, None))
+        run.run_system(FakeBackend("target_only"), prompts, a, params, None))
     assert [r["concurrency"] for r in rows] == [1, 2] and not bad
     reference = {r.prompt.question_id: (r.token_ids, "") for r in first}
     rows, cats, bad, _ = asyncio.run(
-        bench.run_system(FakeBackend("specserve"), prompts, a, params, reference))
+        run.run_system(FakeBackend("specserve"), prompts, a, params, reference))
     assert [r["greedy_mismatches"] for r in rows] == [0, 0]
     # The warm-up request is not counted: 4 requests x 2 steps with drafts each.
     assert rows[0]["draft_tokens"] == 32 and rows[0]["accepted_per_position"] == [8, 4, 0, 0]
     assert {c["category"] for c in cats} == {"a", "b"}
     rows, _, bad, _ = asyncio.run(
-        bench.run_system(FakeBackend("specserve", wrong=True), prompts, a, params, reference))
+        run.run_system(FakeBackend("specserve", wrong=True), prompts, a, params, reference))
     assert [r["greedy_mismatches"] for r in rows] == [4, 4] and len(bad) == 8
     assert bad[0]["got"][-1] == bad[0]["want"][-1] + 1
 
 
 def test_json_and_png_written(tmp_path):
-    rows = [bench.summarize(s, c, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(),
-                            s != "target_only")
+    rows = [report.summarize(s, c, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(),
+                             s != "target_only")
             for s, a in [("target_only", None), ("specserve_synthetic", 0.8)] for c in (1, 8)]
-    report = {"results": rows, "by_category": [], "notes": [], "greedy_mismatches": []}
-    png = bench.write_outputs(report, str(tmp_path / "b.json"), None)
+    out = {"results": rows, "by_category": [], "notes": [], "greedy_mismatches": []}
+    png = report.write_outputs(out, str(tmp_path / "b.json"), None)
     assert png == tmp_path / "b.png" and png.read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "b.json").read_text())["results"][0]["system"] == "target_only"

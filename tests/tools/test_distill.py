@@ -11,50 +11,52 @@ import pytest
 
 from conftest import MAX_TOKENS, PROMPTS, run_cli, run_generate
 from specserve import models
-from specserve.tools.distill import run as distill
+from specserve.tools.distill import draft as distill_draft
+from specserve.tools.distill import recipe
+from specserve.tools.distill import state as distill_state
 
 # ---- pure parts ------------------------------------------------------------------
 
 
 def test_select_layers_spreads_evenly_with_first_and_last():
-    assert distill.select_layers(30, 4) == [0, 10, 19, 29]
-    assert distill.select_layers(30, 2) == [0, 29]
-    assert distill.select_layers(30, 1) == [0]
-    assert distill.select_layers(5, 5) == [0, 1, 2, 3, 4]
+    assert recipe.select_layers(30, 4) == [0, 10, 19, 29]
+    assert recipe.select_layers(30, 2) == [0, 29]
+    assert recipe.select_layers(30, 1) == [0]
+    assert recipe.select_layers(5, 5) == [0, 1, 2, 3, 4]
     for n in range(1, 31):
-        picked = distill.select_layers(30, n)
+        picked = recipe.select_layers(30, n)
         assert len(picked) == n and picked == sorted(set(picked))
         assert picked[0] == 0 and (n == 1 or picked[-1] == 29)
 
 
 @pytest.mark.parametrize("n", [0, 31, -1])
 def test_select_layers_out_of_range_says_the_range(n):
-    with pytest.raises(distill.DistillError, match="between 1 and the target's 30 layers"):
-        distill.select_layers(30, n)
+    with pytest.raises(recipe.DistillError, match="between 1 and the target's 30 layers"):
+        recipe.select_layers(30, n)
 
 
 def test_held_out_prompts_are_disjoint_from_training_prompts():
-    train, held = distill.split_topics()
+    train, held = recipe.split_topics()
     assert held and train and not set(train) & set(held)
-    assert sorted(train + held) == sorted(distill.TOPICS)
-    train_prompts = {t.format(topic=x) for t in distill.TASKS for x in train}
-    held_prompts = {t.format(topic=x) for t in distill.TASKS for x in held}
+    assert sorted(train + held) == sorted(recipe.TOPICS)
+    train_prompts = {t.format(topic=x) for t in recipe.TASKS for x in train}
+    held_prompts = {t.format(topic=x) for t in recipe.TASKS for x in held}
     assert not train_prompts & held_prompts
     for r in range(3):
-        assert set(distill.training_prompts(r, 50)) <= train_prompts
-        questions = {distill.QUESTION_TASK.format(topic=x) for x in train}
-        assert set(distill.question_prompts(r, 20)) <= questions
-    assert set(distill.eval_prompts(48)) <= held_prompts
+        assert set(recipe.training_prompts(r, 50)) <= train_prompts
+        questions = {recipe.QUESTION_TASK.format(topic=x) for x in train}
+        assert set(recipe.question_prompts(r, 20)) <= questions
+    assert set(recipe.eval_prompts(48)) <= held_prompts
     # Rounds differ, and each round is reproducible.
-    assert distill.training_prompts(0, 50) != distill.training_prompts(1, 50)
-    assert distill.training_prompts(2, 50) == distill.training_prompts(2, 50)
+    assert recipe.training_prompts(0, 50) != recipe.training_prompts(1, 50)
+    assert recipe.training_prompts(2, 50) == recipe.training_prompts(2, 50)
 
 
 def test_greedy_agreement_counts_equal_positions():
-    assert distill.greedy_agreement([1, 2, 3, 4], [1, 9, 3, 9]) == (2, 4)
-    assert distill.greedy_agreement([], []) == (0, 0)
+    assert recipe.greedy_agreement([1, 2, 3, 4], [1, 9, 3, 9]) == (2, 4)
+    assert recipe.greedy_agreement([], []) == (0, 0)
     with pytest.raises(ValueError):
-        distill.greedy_agreement([1, 2], [1])
+        recipe.greedy_agreement([1, 2], [1])
 
 
 def test_topk_loss_is_cross_entropy_against_renormalized_top_k():
@@ -67,28 +69,28 @@ def test_topk_loss_is_cross_entropy_against_renormalized_top_k():
     p = torch.softmax(lps, -1)
     log_q = torch.log_softmax(logits, -1)
     expected = -(p * log_q.gather(-1, ids)).sum(-1).mean()
-    assert torch.allclose(distill.topk_distill_loss(logits, ids, lps), expected)
+    assert torch.allclose(recipe.topk_distill_loss(logits, ids, lps), expected)
 
     # A draft whose distribution is the renormalized top-k is the minimum: its
     # loss is the entropy of p, and any change of the logits raises it.
     best = torch.full((3, 10), -1e4)
     best.scatter_(1, ids, torch.log(p))
     entropy = -(p * torch.log(p)).sum(-1).mean()
-    assert torch.allclose(distill.topk_distill_loss(best, ids, lps), entropy, atol=1e-5)
-    assert distill.topk_distill_loss(best + torch.randn(3, 10), ids, lps) > entropy
+    assert torch.allclose(recipe.topk_distill_loss(best, ids, lps), entropy, atol=1e-5)
+    assert recipe.topk_distill_loss(best + torch.randn(3, 10), ids, lps) > entropy
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
     base = 1e-3
-    assert distill.learning_rate(0, 0.0, base) < distill.learning_rate(10, 0.0, base)
-    assert distill.learning_rate(100, 0.0, base) == pytest.approx(base)
-    assert distill.learning_rate(100, 0.5, base) == pytest.approx(base * 0.55)
-    assert distill.learning_rate(100, 1.0, base) == pytest.approx(base * 0.1)
-    assert distill.learning_rate(100, 2.0, base) == pytest.approx(base * 0.1)
+    assert recipe.learning_rate(0, 0.0, base) < recipe.learning_rate(10, 0.0, base)
+    assert recipe.learning_rate(100, 0.0, base) == pytest.approx(base)
+    assert recipe.learning_rate(100, 0.5, base) == pytest.approx(base * 0.55)
+    assert recipe.learning_rate(100, 1.0, base) == pytest.approx(base * 0.1)
+    assert recipe.learning_rate(100, 2.0, base) == pytest.approx(base * 0.1)
 
 
 def test_progress_line_shows_time_and_figures():
-    line = distill.progress_line(90, 180, 12, 34_000, 1.2345, 0.5)
+    line = recipe.progress_line(90, 180, 12, 34_000, 1.2345, 0.5)
     assert "1.5/3.0 min" in line and "step 12" in line and "34k tokens" in line
     assert "loss 1.234" in line or "loss 1.235" in line
     assert "[" + "#" * 12 + "." * 12 + "]" in line
@@ -114,21 +116,21 @@ def test_bad_numbers_are_refused_before_anything_starts(tmp_path):
 
 def test_out_must_be_new_or_a_previous_run(tiny_models, tmp_path):
     target = tiny_models["target"]  # 2 layers
-    with pytest.raises(distill.DistillError, match="between 1 and the target's 2 layers"):
-        distill.open_out(tmp_path / "a", target, 3, 32, 0)
+    with pytest.raises(recipe.DistillError, match="between 1 and the target's 2 layers"):
+        distill_state.open_out(tmp_path / "a", target, 3, 32, 0)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "something.txt").write_text("mine")
-    with pytest.raises(distill.DistillError, match="not a previous distill run"):
-        distill.open_out(tmp_path / "busy", target, 1, 32, 0)
+    with pytest.raises(recipe.DistillError, match="not a previous distill run"):
+        distill_state.open_out(tmp_path / "busy", target, 1, 32, 0)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(distill.DistillError, match="is a file"):
-        distill.open_out(tmp_path / "file", target, 1, 32, 0)
-    state = distill.open_out(tmp_path / "run", target, 1, 32, 0)
+    with pytest.raises(recipe.DistillError, match="is a file"):
+        distill_state.open_out(tmp_path / "file", target, 1, 32, 0)
+    state = distill_state.open_out(tmp_path / "run", target, 1, 32, 0)
     assert state.layers == [0]
     # The same settings resume it; others are refused.
-    assert distill.open_out(tmp_path / "run", target, 1, 32, 0).layers == [0]
-    with pytest.raises(distill.DistillError, match="pass the same settings to resume"):
-        distill.open_out(tmp_path / "run", target, 2, 32, 0)
+    assert distill_state.open_out(tmp_path / "run", target, 1, 32, 0).layers == [0]
+    with pytest.raises(recipe.DistillError, match="pass the same settings to resume"):
+        distill_state.open_out(tmp_path / "run", target, 2, 32, 0)
 
 
 # ---- a tiny run, end to end (vLLM for the data) ---------------------------------------
@@ -156,7 +158,7 @@ def test_tiny_distill_reports_alpha_and_writes_a_loadable_draft(tiny_distill, ti
         assert 0.0 <= report[key] <= 1.0, report
     assert report["layers"] == [0] and report["train_tokens"] >= 2000 and report["eval_tokens"] > 0
     assert "held-out greedy agreement" in stderr and "distill [" in stderr  # progress bar
-    state = json.loads((out / distill.STATE_FILE).read_text())
+    state = json.loads((out / distill_state.STATE_FILE).read_text())
     assert state["alpha_after"] == report["alpha_after"] and state["steps"] > 0
     assert state["commands"][0].startswith("specserve distill --target")
 
@@ -166,18 +168,18 @@ def test_tiny_distill_reports_alpha_and_writes_a_loadable_draft(tiny_distill, ti
     # The shared tensors are the target's (bf16-rounded), the trained ones are stored alone.
     emb = target.model.embed_tokens.weight
     assert torch.allclose(draft.model.embed_tokens.weight, emb.to(torch.bfloat16).float())
-    with safe_open(str(out / distill.LAYERS_FILE), framework="pt") as f:
+    with safe_open(str(out / distill_state.LAYERS_FILE), framework="pt") as f:
         stored = set(f.keys())
-    assert stored and not stored & set(distill.SHARED_TENSORS)
+    assert stored and not stored & set(distill_state.SHARED_TENSORS)
     assert all(k.startswith("model.layers.0.") or k == "model.norm.weight" for k in stored)
 
     # What ships (trained tensors + config) assembles back into the same model.
     shipped, assembled = out.parent / "shipped", out.parent / "assembled"
-    distill.ship(out, shipped)
+    distill_draft.ship(out, shipped)
     assert sorted(p.name for p in shipped.iterdir()) == sorted(
-        [distill.LAYERS_FILE, "config.json", distill.STATE_FILE])
+        [distill_state.LAYERS_FILE, "config.json", distill_state.STATE_FILE])
     assembled.mkdir()
-    distill.assemble_draft(tiny_models["target"], shipped / distill.LAYERS_FILE, assembled,
+    distill_draft.assemble_draft(tiny_models["target"], shipped / distill_state.LAYERS_FILE, assembled,
                            config=json.loads((shipped / "config.json").read_text()))
     again = AutoModelForCausalLM.from_pretrained(assembled, dtype=torch.float32)
     for (name, a), (_, b) in zip(draft.state_dict().items(), again.state_dict().items()):
@@ -187,11 +189,11 @@ def test_tiny_distill_reports_alpha_and_writes_a_loadable_draft(tiny_distill, ti
 @pytest.mark.slow
 def test_tiny_distill_resumes_from_its_checkpoint(tiny_distill):
     out, report, args, _ = tiny_distill
-    before = json.loads((out / distill.STATE_FILE).read_text())
+    before = json.loads((out / distill_state.STATE_FILE).read_text())
     proc = run_cli(*[a if a != "0.1" else "0.02" for a in args])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resuming from" in proc.stderr
-    after = json.loads((out / distill.STATE_FILE).read_text())
+    after = json.loads((out / distill_state.STATE_FILE).read_text())
     assert after["steps"] > before["steps"]
     assert after["alpha_before"] == before["alpha_before"]  # measured once, on the untrained draft
     assert after["data_rounds"] == before["data_rounds"]  # enough data: no new generation
@@ -218,7 +220,7 @@ def test_shipped_default_draft_is_small_and_has_no_embedding():
     assert layers.stat().st_size <= 40 * 2**20
     with safe_open(str(layers), framework="pt") as f:
         names = set(f.keys())
-    assert not names & set(distill.SHARED_TENSORS)
+    assert not names & set(distill_state.SHARED_TENSORS)
     config = json.loads((shipped / "config.json").read_text())
     record = json.loads((shipped / "distill.json").read_text())
     assert len({k.split(".")[2] for k in names if k.startswith("model.layers.")}) == \

@@ -13,7 +13,7 @@ import pytest
 
 from specserve.tools.gpucheck import PreflightError, main, preflight
 from specserve.tools.measure import Cell, _step_point, profile_from_points
-from specserve.tools.simulate.model import Profile
+from specserve.tools.simulate.profile import Profile
 
 
 def cell(max_tokens, wall_s, accepted=0, drafted=0, c=2, k=0):

@@ -447,11 +447,13 @@ def exported_metric_names() -> set[str]:
     it serves, from figures with a draft pool in them), and the metrics its code
     registers with ray.serve.metrics, as Ray's exporter names them."""
     from specserve.control import pools
-    from specserve.acceptance.stats import RequestRecord, SpecStats, prometheus_text
+    from specserve.acceptance.prometheus import prometheus_text
+    from specserve.acceptance.record import Acceptance, TargetReport
+    from specserve.acceptance.stats import RequestRecord, SpecStats
 
     stats = SpecStats(4)
-    stats.record(RequestRecord("d", "r1", "t1", 4, 10, 8, [1, 1, 1], 0.1, 0.5, 100.0,
-                               draft_lag=0.5))
+    stats.record(RequestRecord(TargetReport("t1", "d", "r1", Acceptance(4, 10, 8, (1, 1, 1)),
+                                            draft_lag=0.5), 0.1, 0.5, 100.0))
     stats.current_k["d"] = 4
     text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
         pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)})))

@@ -1,4 +1,4 @@
-"""The capacity simulator (specserve/simulate.py) against cases solved by hand.
+"""The capacity simulator (specserve/tools/simulate/) against cases solved by hand.
 
 All runs are seeded and deterministic. Step costs are constants unless a test
 says otherwise, so a target step takes T ms whatever its batch holds, and the
@@ -13,28 +13,19 @@ import json
 import pytest
 from conftest import run_cli
 
-from specserve.tools.simulate.model import (
-    DraftCost,
-    Prices,
-    Profile,
-    Scenario,
-    StepCost,
-    TargetCost,
-    cost_per_hour,
-    expected_tokens_per_step,
-    percentiles,
-    simulate,
-    sweep,
-)
+from specserve.control.policy import expected_tokens
+from specserve.tools.simulate.model import simulate, sweep
+from specserve.tools.simulate.profile import DraftCost, Profile, StepProfile, TargetCost
+from specserve.tools.simulate.scenario import Prices, Scenario, cost_per_hour
 
 T = 10.0  # ms per target step
 
 
 def profile(draft_ms: float = 0.0, target_ms: float = T, colocated_ms: float | None = None,
             **draft_kw) -> Profile:
-    return Profile(TargetCost(StepCost.constant(target_ms)),
-                   DraftCost(StepCost.constant(draft_ms), **draft_kw),
-                   None if colocated_ms is None else StepCost.constant(colocated_ms))
+    return Profile(TargetCost(StepProfile.constant(target_ms)),
+                   DraftCost(StepProfile.constant(draft_ms), **draft_kw),
+                   None if colocated_ms is None else StepProfile.constant(colocated_ms))
 
 
 def one_request(**kw) -> Scenario:
@@ -57,7 +48,7 @@ def test_instant_draft_one_target_no_queueing(alpha, k):
     r = simulate(profile(), one_request(k=k, alpha=alpha, lookahead=2 * k, requests=8))
     # every step but the 8 prefills and each request's last (nothing left to draft)
     assert r.request_steps - 16 <= r.steps_with_drafts <= r.request_steps - 8
-    expected = expected_tokens_per_step(alpha, k)
+    expected = expected_tokens(alpha, k)
     assert expected == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1)
     # 16000 tokens; the per-step count has sd <= ~2.5, so its mean is within ~1%.
     assert r.mean_accepted_length == pytest.approx(expected, rel=0.02)
@@ -122,7 +113,7 @@ def test_late_drafts_markov_chain(alpha, k):
     r = simulate(profile(), one_request(k=k, alpha=alpha, lookahead=4 * k, rtt_ms=4.0,
                                         requests=10, output_len=3000))
     pi_a = alpha / (alpha + 1 - alpha ** (k + 1))
-    per_step = pi_a * expected_tokens_per_step(alpha, k) + 1 - pi_a
+    per_step = pi_a * expected_tokens(alpha, k) + 1 - pi_a
     assert r.coverage == pytest.approx(pi_a, abs=0.02)
     assert r.tokens_per_request_step == pytest.approx(per_step, rel=0.03)
     assert r.throughput_tok_s == pytest.approx(per_step / T * 1000, rel=0.03)
@@ -134,7 +125,7 @@ def test_colocated_baseline_pays_k_draft_steps_per_step():
     c, k, alpha = 1.5, 3, 0.7
     r = simulate(profile(colocated_ms=c), one_request(k=k, alpha=alpha, drafts=0, colocated=True,
                                                       requests=8))
-    e = expected_tokens_per_step(alpha, k)
+    e = expected_tokens(alpha, k)
     assert r.request_steps - 16 <= r.steps_with_drafts <= r.request_steps - 8
     assert r.mean_accepted_length == pytest.approx(e, rel=0.02)
     assert r.throughput_tok_s == pytest.approx(e / (T + k * c) * 1000, rel=0.03)
@@ -155,11 +146,11 @@ def test_target_only_batching_and_replicas():
 def test_step_cost_grows_with_tokens():
     """Piecewise-linear cost in query tokens: verifying K drafts per row makes a
     step dearer, which is what limits speculation at high batch."""
-    cost = StepCost(((1, 10.0), (64, 10.0), (512, 40.0)))
+    cost = StepProfile(((1, 10.0), (64, 10.0), (512, 40.0)))
     assert cost(1) == 10.0 and cost(64) == 10.0
     assert cost(288) == pytest.approx(25.0)
     assert cost(1024) == pytest.approx(40.0 + 30.0 * 512 / 448)  # the last slope goes on
-    p = Profile(TargetCost(cost), DraftCost(StepCost.constant(0.0)))
+    p = Profile(TargetCost(cost), DraftCost(StepProfile.constant(0.0)))
     small = simulate(p, Scenario(k=4, alpha=0.8, concurrency=4, requests=8, output_len=200))
     big = simulate(p, Scenario(k=4, alpha=0.8, concurrency=128, requests=128, output_len=200))
     assert small.tpot_ms["p50"] < big.tpot_ms["p50"]
@@ -168,7 +159,7 @@ def test_step_cost_grows_with_tokens():
 def test_poisson_light_load_has_no_queueing():
     """Arrivals far apart: throughput = arrival rate x output length, TTFT = one
     prefill step (T + prefill per token x prompt)."""
-    p = Profile(TargetCost(StepCost.constant(T), prefill_ms_per_token=0.1), None)
+    p = Profile(TargetCost(StepProfile.constant(T), prefill_ms_per_token=0.1), None)
     r = simulate(p, Scenario(k=0, drafts=0, concurrency=None, rate_per_s=0.5, requests=40,
                              prompt_len=100, output_len=20))
     assert r.ttft_ms["p50"] == pytest.approx(T + 10.0)
@@ -180,7 +171,7 @@ def test_prefill_budget_spreads_a_burst_over_steps():
     """16 requests arrive at once with 1000-token prompts and a 4096-token prefill
     budget: 4 are admitted per step, so their first tokens come at 1, 2, 3, 4
     steps of T + 4 * 1000 * 0.01 ms (their decode rides along, free here)."""
-    p = Profile(TargetCost(StepCost.constant(T), prefill_ms_per_token=0.01,
+    p = Profile(TargetCost(StepProfile.constant(T), prefill_ms_per_token=0.01,
                            max_prefill_tokens=4096), None)
     r = simulate(p, Scenario(k=0, drafts=0, concurrency=16, requests=16, prompt_len=1000,
                              output_len=8))
@@ -204,8 +195,8 @@ def test_sweep_ranks_by_goodput_per_dollar():
     useless); four replicas (8 ms) keep up; eight (4 ms) barely add. With cheap
     draft GPUs the best is a few drafts with K > 0; with draft GPUs dearer than
     the target's, target-only wins."""
-    p = Profile(TargetCost(StepCost.constant(30.0), gpus=8),
-                DraftCost(StepCost(((1, 2.0), (16, 32.0)))))
+    p = Profile(TargetCost(StepProfile.constant(30.0), gpus=8),
+                DraftCost(StepProfile(((1, 2.0), (16, 32.0)))))
     base = Scenario(concurrency=16, requests=64, output_len=128, alpha=0.8)
     cheap = sweep(p, base, drafts=[1, 2, 4, 8], ks=[0, 2, 4], prices=Prices(4.0, 0.5))
     per_dollar = [r.goodput_tokens_per_dollar for r in cheap]
@@ -222,14 +213,14 @@ def test_sweep_ranks_by_goodput_per_dollar():
 
 
 def test_cost_per_hour():
-    p = Profile(TargetCost(StepCost.constant(1.0), gpus=8), DraftCost(StepCost.constant(1.0)))
+    p = Profile(TargetCost(StepProfile.constant(1.0), gpus=8), DraftCost(StepProfile.constant(1.0)))
     assert cost_per_hour(p, Scenario(targets=2, drafts=3, k=4), Prices(3.0, 0.5)) == 2 * 8 * 3 + 1.5
     assert cost_per_hour(p, Scenario(targets=2, drafts=3, k=0), Prices(3.0, 0.5)) == 48.0
 
 
 def test_profile_round_trip_and_errors():
-    p = Profile(TargetCost(StepCost(((1, 5.0), (32, 9.0)), per_seq_ms=0.01), 0.02, 0.3, 8, 128, 4096),
-                DraftCost(StepCost(((1, 1.0), (8, 2.0))), 0.001, 0.5, 1), StepCost.constant(0.7),
+    p = Profile(TargetCost(StepProfile(((1, 5.0), (32, 9.0)), per_seq_ms=0.01), 0.02, 0.3, 8, 128, 4096),
+                DraftCost(StepProfile(((1, 1.0), (8, 2.0))), 0.001, 0.5, 1), StepProfile.constant(0.7),
                 source="test")
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
     with pytest.raises(ValueError, match="format"):
@@ -246,8 +237,12 @@ def test_profile_round_trip_and_errors():
         simulate(Profile(p.target, p.draft), Scenario(k=4, drafts=0, colocated=True))
 
 
-def test_percentiles():
-    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"p50": 3.0, "p90": 4.6, "p99": pytest.approx(4.96)}
+def test_latency_percentiles_are_the_benchs():
+    # ttft_ms / tpot_ms use the one percentile definition (linear interpolation).
+    r = simulate(profile(), one_request(k=0, drafts=0, requests=5, concurrency=1))
+    assert r.ttft_ms["p50"] <= r.ttft_ms["p90"] <= r.ttft_ms["p99"]
+    assert r.tpot_ms == {"p50": pytest.approx(T), "p90": pytest.approx(T),
+                         "p99": pytest.approx(T)}
 
 
 def test_cli(tmp_path):

@@ -12,18 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from specserve.tools.simulate.model import (
-    DraftCost,
-    Prices,
-    Profile,
-    Result,
-    Scenario,
-    StepCost,
-    TargetCost,
-    cost_per_hour,
-    simulate,
-    sweep,
-)
+from specserve.tools.simulate.model import simulate, sweep
+from specserve.tools.simulate.profile import DraftCost, Profile, StepProfile, TargetCost
+from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per_hour
 
 
 def _int_list(s: str) -> list[int]:
@@ -85,11 +76,11 @@ def load_profile(args) -> Profile:
         return Profile.from_dict(data)
     if args.target_step_ms is None:
         raise ValueError("give --profile FILE or --target-step-ms MS (and --draft-step-ms MS)")
-    draft = (DraftCost(StepCost.constant(args.draft_step_ms))
+    draft = (DraftCost(StepProfile.constant(args.draft_step_ms))
              if args.draft_step_ms is not None else None)
-    colo = (StepCost.constant(args.colocated_draft_step_ms)
+    colo = (StepProfile.constant(args.colocated_draft_step_ms)
             if args.colocated_draft_step_ms is not None else None)
-    return Profile(TargetCost(StepCost.constant(args.target_step_ms)), draft, colo,
+    return Profile(TargetCost(StepProfile.constant(args.target_step_ms)), draft, colo,
                    source="constant step times from the command line")
 
 

@@ -1,14 +1,17 @@
 """A discrete-event model of disaggregated speculative decoding, for capacity planning.
 
-Owns the arithmetic of `specserve simulate`: N draft replicas and M target
-replicas (each target replica may span TP GPUs; its step costs say how fast it
-is), per-step costs as functions of batch size and tokens (a `Profile`, measured
-or from published numbers), a network round trip between the pools, acceptance
-alpha, K, lookahead W and an arrival process (Poisson or closed-loop). It never
-starts an engine, opens a file or a socket: `simulate()` is a pure function of a
+Owns the event model of `specserve simulate` (`simulate`) and sweeps over it
+(`sweep`, `best`): N draft replicas and M target replicas (each target replica
+may span TP GPUs; its step costs say how fast it is), a network round trip
+between the pools, acceptance alpha, K, lookahead W and an arrival process
+(Poisson or closed-loop). The step costs are a `Profile`
+(`specserve.tools.simulate.profile`); what is simulated and what comes out are
+`Scenario` and `Result` (`specserve.tools.simulate.scenario`). It never starts
+an engine, opens a file or a socket: `simulate()` is a pure function of a
 profile, a scenario and a seed (files are read and written by the CLI).
 
-The model follows the real system's mechanics (DESIGN.md, specserve/draft/runner.py):
+The model follows the real system's mechanics (specserve/draft/runner.py,
+specserve/target/proposer.py):
 
 - A target replica runs continuous batching: each step takes its running
   requests (admitting waiting ones up to `max_num_seqs` and `max_prefill_tokens`
@@ -38,281 +41,21 @@ Time is in milliseconds throughout.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import heapq
 import math
 import random
 from collections import deque
-from typing import Any
 
-PROFILE_FORMAT = "specserve-profile/1"
+from specserve.acceptance.record import percentile
 
-
-# ---- costs ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCost:
-    """Step time (ms) as a piecewise-linear function of x (tokens, or batch size),
-    plus `per_seq_ms` per sequence in the batch. Past the last point it goes on
-    along the last segment's slope; below the first point it is flat."""
-
-    points: tuple[tuple[float, float], ...]
-    per_seq_ms: float = 0.0
-
-    def __post_init__(self):
-        pts = tuple(sorted((float(x), float(y)) for x, y in self.points))
-        if not pts:
-            raise ValueError("a step cost needs at least one (x, ms) point")
-        if any(y < 0 for _, y in pts) or self.per_seq_ms < 0:
-            raise ValueError("step times must be >= 0")
-        if len({x for x, _ in pts}) != len(pts):
-            raise ValueError(f"step cost points repeat an x: {pts}")
-        object.__setattr__(self, "points", pts)
-
-    @classmethod
-    def constant(cls, ms: float) -> "StepCost":
-        return cls(((1.0, ms),))
-
-    def __call__(self, x: float, seqs: int = 0) -> float:
-        pts = self.points
-        if len(pts) == 1 or x <= pts[0][0]:
-            y = pts[0][1]
-        else:
-            i = bisect.bisect_right([p[0] for p in pts], x)
-            (x0, y0), (x1, y1) = pts[min(i, len(pts) - 1) - 1], pts[min(i, len(pts) - 1)]
-            y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-        return max(y, 0.0) + self.per_seq_ms * seqs
-
-    def to_dict(self) -> dict:
-        return {"points": [list(p) for p in self.points], "per_seq_ms": self.per_seq_ms}
-
-    @classmethod
-    def from_dict(cls, d: Any, what: str) -> "StepCost":
-        if isinstance(d, (int, float)):
-            return cls.constant(float(d))
-        if not isinstance(d, dict) or "points" not in d:
-            raise ValueError(f"{what}: expected a number of ms or {{'points': [[x, ms], ...]}}")
-        return cls(tuple(tuple(p) for p in d["points"]), float(d.get("per_seq_ms", 0.0)))
+from specserve.tools.simulate.profile import Profile
+from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per_hour
 
 
-@dataclasses.dataclass(frozen=True)
-class TargetCost:
-    step: StepCost                     # x = query tokens in the step (1 + drafts per row)
-    prefill_ms_per_token: float = 0.0  # added to the step that admits a request
-    spec_overhead_ms: float = 0.0      # per step with a remote-draft proposer (K > 0)
-    gpus: int = 1                      # GPUs per replica (TP), for the price
-    max_num_seqs: int = 256
-    max_prefill_tokens: int = 8192     # prompt tokens admitted per step (at least one prompt)
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftCost:
-    step: StepCost                     # x = requests drafted in the step (one token each)
-    prefill_ms_per_token: float = 0.0  # a new request's prompt, once
-    restart_ms: float = 0.0            # a segment restart (rollback, or resuming after W)
-    gpus: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Profile:
-    """Step costs of one target/draft pair on given hardware. JSON format
-    `specserve-profile/1` (see docs/simulator.md):
-
-        {"format": "specserve-profile/1", "source": "...",
-         "target": {"step_ms": {"points": [[tokens, ms], ...], "per_seq_ms": 0},
-                    "prefill_ms_per_token": 0.1, "spec_overhead_ms": 0, "gpus": 8,
-                    "max_num_seqs": 256, "max_prefill_tokens": 8192},
-         "draft": {"step_ms": {"points": [[batch, ms], ...]}, "prefill_ms_per_token": 0.01,
-                   "restart_ms": 0, "gpus": 1},
-         "colocated_draft": {"step_ms": {"points": [[batch, ms], ...]}}}
-
-    `colocated_draft` (optional): the draft's step on the target's GPUs at the
-    target's TP, for the vLLM draft_model baseline. A step cost may also be a
-    plain number of ms.
-    """
-
-    target: TargetCost
-    draft: DraftCost | None = None
-    colocated_draft: StepCost | None = None
-    source: str = ""
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
-        if d.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
-            raise ValueError(f"profile format {d.get('format')!r} is not {PROFILE_FORMAT!r}")
-        if "target" not in d:
-            raise ValueError("profile has no 'target' section")
-        t = d["target"]
-        target = TargetCost(
-            step=StepCost.from_dict(t.get("step_ms"), "target.step_ms"),
-            prefill_ms_per_token=float(t.get("prefill_ms_per_token", 0.0)),
-            spec_overhead_ms=float(t.get("spec_overhead_ms", 0.0)),
-            gpus=int(t.get("gpus", 1)),
-            max_num_seqs=int(t.get("max_num_seqs", 256)),
-            max_prefill_tokens=int(t.get("max_prefill_tokens", 8192)),
-        )
-        draft = None
-        if d.get("draft") is not None:
-            x = d["draft"]
-            draft = DraftCost(
-                step=StepCost.from_dict(x.get("step_ms"), "draft.step_ms"),
-                prefill_ms_per_token=float(x.get("prefill_ms_per_token", 0.0)),
-                restart_ms=float(x.get("restart_ms", 0.0)),
-                gpus=int(x.get("gpus", 1)),
-            )
-        colo = None
-        if d.get("colocated_draft") is not None:
-            colo = StepCost.from_dict(d["colocated_draft"].get("step_ms"), "colocated_draft.step_ms")
-        return cls(target, draft, colo, str(d.get("source", "")))
-
-    def to_dict(self) -> dict:
-        out: dict = {"format": PROFILE_FORMAT, "source": self.source,
-                     "target": {"step_ms": self.target.step.to_dict(),
-                                "prefill_ms_per_token": self.target.prefill_ms_per_token,
-                                "spec_overhead_ms": self.target.spec_overhead_ms,
-                                "gpus": self.target.gpus,
-                                "max_num_seqs": self.target.max_num_seqs,
-                                "max_prefill_tokens": self.target.max_prefill_tokens}}
-        if self.draft is not None:
-            out["draft"] = {"step_ms": self.draft.step.to_dict(),
-                            "prefill_ms_per_token": self.draft.prefill_ms_per_token,
-                            "restart_ms": self.draft.restart_ms, "gpus": self.draft.gpus}
-        if self.colocated_draft is not None:
-            out["colocated_draft"] = {"step_ms": self.colocated_draft.to_dict()}
-        return out
-
-
-# ---- scenario and result --------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    targets: int = 1             # M target replicas
-    drafts: int = 1              # N draft replicas (0: target-only, or co-located)
-    k: int = 4                   # K: drafted tokens verified per request-step (0: no speculation)
-    lookahead: int = 8           # W: how far a draft runs past the verified position it knows
-    alpha: float = 0.8           # chance that a drafted token is the target's
-    rtt_ms: float = 0.0          # draft <-> target network round trip
-    concurrency: int | None = 8  # closed loop: this many requests in flight ...
-    rate_per_s: float | None = None  # ... or Poisson arrivals at this rate
-    requests: int = 64
-    prompt_len: int = 128
-    output_len: int = 128
-    colocated: bool = False      # vLLM draft_model: the draft on the target's GPUs
-    seed: int = 0
-    ttft_slo_ms: float = 2000.0  # goodput counts requests within both objectives
-    tpot_slo_ms: float = 200.0
-
-    def check(self, profile: Profile) -> None:
-        """Fail fast with the fix, before simulating."""
-        if self.targets < 1:
-            raise ValueError("targets must be >= 1")
-        if self.drafts < 0 or self.k < 0:
-            raise ValueError("drafts and k must be >= 0")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-        if self.rtt_ms < 0:
-            raise ValueError("rtt_ms must be >= 0")
-        if (self.concurrency is None) == (self.rate_per_s is None):
-            raise ValueError("give exactly one of concurrency (closed loop) and rate_per_s (Poisson)")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
-        if self.rate_per_s is not None and not self.rate_per_s > 0:
-            raise ValueError("rate_per_s must be > 0")
-        if self.requests < 1 or self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError("requests, prompt_len and output_len must be >= 1")
-        if self.k > 0 and not self.colocated and self.drafts > 0:
-            if self.lookahead <= self.k:
-                raise ValueError(f"lookahead ({self.lookahead}) must be greater than K ({self.k})")
-            if profile.draft is None:
-                raise ValueError("the profile has no 'draft' section; add one or set drafts=0")
-        if self.colocated and self.k > 0 and profile.colocated_draft is None:
-            raise ValueError("co-located mode needs the profile's 'colocated_draft' step cost")
-        if self.colocated and self.drafts:
-            raise ValueError("co-located mode has no draft pool: set drafts=0")
-
-    @property
-    def mode(self) -> str:
-        if self.k == 0:
-            return "target_only"
-        if self.colocated:
-            return "colocated"
-        return "disaggregated" if self.drafts > 0 else "target_only_with_proposer"
-
-
-@dataclasses.dataclass
-class Result:
-    scenario: Scenario
-    output_tokens: int
-    makespan_ms: float
-    throughput_tok_s: float
-    goodput_tok_s: float
-    ttft_ms: dict[str, float]
-    tpot_ms: dict[str, float]
-    request_steps: int           # one verify/decode (or prefill) pass for one request
-    steps_with_drafts: int
-    drafted_tokens: int          # drafted tokens the target verified
-    accepted_tokens: int
-    target_steps: int            # batched forward passes, all target replicas
-    target_busy: float           # share of time the target replicas were stepping
-    draft_busy: float
-    rollbacks: int
-    cost_per_hour: float | None = None
-
-    @property
-    def coverage(self) -> float:
-        return self.steps_with_drafts / self.request_steps if self.request_steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """1 + accepted / steps with drafts, as /v1/spec/stats reports it."""
-        return 1.0 + self.accepted_tokens / self.steps_with_drafts if self.steps_with_drafts else 1.0
-
-    @property
-    def tokens_per_request_step(self) -> float:
-        return self.output_tokens / self.request_steps if self.request_steps else 0.0
-
-    @property
-    def goodput_tokens_per_dollar(self) -> float | None:
-        if not self.cost_per_hour:
-            return None
-        return self.goodput_tok_s * 3600.0 / self.cost_per_hour
-
-    def to_dict(self) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "scenario"}
-        d["scenario"] = dataclasses.asdict(self.scenario)
-        d["mode"] = self.scenario.mode
-        for name in ("coverage", "acceptance_rate", "mean_accepted_length",
-                     "tokens_per_request_step", "goodput_tokens_per_dollar"):
-            d[name] = getattr(self, name)
-        return d
-
-
-def expected_tokens_per_step(alpha: float, k: int) -> float:
-    """Tokens one verify step with K drafts emits on average: sum_{i=0..K} alpha^i."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    """p50/p90/p99 with linear interpolation between order statistics."""
-    if not values:
-        return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
-    v = sorted(values)
-    out = {}
-    for q in (50, 90, 99):
-        pos = (len(v) - 1) * q / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(v) - 1)
-        out[f"p{q}"] = v[lo] + (v[hi] - v[lo]) * (pos - lo)
-    return out
+def _quantiles(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99 (the bench's percentile); NaN where there are no values."""
+    return {f"p{q}": (percentile(values, q) if values else math.nan) for q in (50, 90, 99)}
 
 
 # ---- the event model --------------------------------------------------------------------
@@ -613,7 +356,7 @@ class _Sim:
         return Result(
             scenario=sc, output_tokens=out, makespan_ms=makespan,
             throughput_tok_s=out / sec, goodput_tok_s=good / sec,
-            ttft_ms=percentiles(ttft), tpot_ms=percentiles(tpot),
+            ttft_ms=_quantiles(ttft), tpot_ms=_quantiles(tpot),
             request_steps=self.request_steps, steps_with_drafts=self.steps_with_drafts,
             drafted_tokens=self.drafted, accepted_tokens=self.accepted,
             target_steps=self.target_steps,
@@ -628,22 +371,6 @@ def simulate(profile: Profile, scenario: Scenario) -> Result:
     scenario.check(profile)
     return _Sim(profile, scenario).run()
 
-
-# ---- cost and sweeps ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Prices:
-    """GPU prices in dollars per GPU-hour."""
-    target_gpu: float
-    draft_gpu: float
-
-
-def cost_per_hour(profile: Profile, sc: Scenario, prices: Prices) -> float:
-    c = sc.targets * profile.target.gpus * prices.target_gpu
-    if sc.k > 0 and not sc.colocated and sc.drafts > 0:
-        c += sc.drafts * profile.draft.gpus * prices.draft_gpu
-    return c
 
 
 def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],

@@ -14,9 +14,10 @@ from specserve.config import (
     ConfigError,
     DraftConfig,
     SpeculationConfig,
+    lookahead_problem,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPU_EXAMPLE = REPO / "cluster" / "gpu-example.yaml"
 
 
@@ -233,6 +234,32 @@ def test_port_api_key_and_target_overrides():
     assert cfg.target.tensor_parallel_size == 4
     assert cfg.drafts == base.drafts
     assert base.with_overrides() == base
+
+
+def test_a_model_replacing_the_default_does_not_inherit_its_context():
+    base = AppConfig.embedded_default()
+    assert base.target.engine.max_model_len == 2048  # set for the default model
+    assert base.drafts[0].engine.max_model_len == 2048
+    cfg = base.with_overrides(target="/m/other", drafts=["/m/d1", "default"])
+    assert cfg.target.engine.max_model_len is None  # the model's own
+    assert cfg.drafts[0].engine.max_model_len is None
+    assert cfg.drafts[1].engine.max_model_len == 2048  # still the default draft
+    # Settings of the machine, not the model, carry over.
+    assert cfg.target.engine.kv_cache_gib == base.target.engine.kv_cache_gib
+    assert cfg.drafts[0].resources == base.drafts[0].resources
+    # A config that names its own model keeps what it set for it.
+    gpu = AppConfig.from_yaml(GPU_EXAMPLE)
+    over = gpu.with_overrides(target="/m/other", drafts=["/m/d1"])
+    assert over.target.engine.max_model_len == gpu.target.engine.max_model_len == 8192
+    assert over.drafts[0].engine.max_model_len == 8192
+
+
+def test_the_lookahead_rule_names_the_settings_as_the_caller_spells_them():
+    assert lookahead_problem(4, None) is None and lookahead_problem(4, 5) is None
+    assert lookahead_problem(0, 0) is None  # target-only: no W
+    assert lookahead_problem(4, 4, "--num-speculative-tokens", "--lookahead") == (
+        "--lookahead (4) must be greater than --num-speculative-tokens (4); raise "
+        "--lookahead or remove it to use 2K (8)")
 
 
 def test_overrides_are_validated():

@@ -1,16 +1,14 @@
-"""The specserve application config: one pydantic model, one source of truth.
+"""The schema of a specserve deployment: one pydantic model, one source of truth.
 
-This module owns:
-- the schema of a specserve deployment (`AppConfig` and its parts): the target
-  pool, the draft pools, speculation settings (K and W), the HTTP ingress and
-  how to reach Ray. Every field carries a `description=`: that text is the
-  reference documentation of every key in `cluster/*.yaml` (and, later, of the
-  Helm values, which are generated from the same model);
-- the cross-field checks that must fail at load time, before anything starts
-  (min <= initial <= max replicas, W > K, unique draft names, ...);
-- loading YAML (`AppConfig.from_yaml`, `AppConfig.embedded_default`) with
-  errors that name the key and say what to do (`ConfigError`), dumping it back
-  (`to_yaml`), and applying command-line overrides (`with_overrides`).
+Owns `AppConfig` and its parts (the target pool, the draft pools, speculation
+settings K and W, the HTTP ingress, how to reach Ray, gRPC TLS). Every field
+carries a `description=`: that text is the reference documentation of every key
+in `cluster/*.yaml` and of the Helm values, which are generated from this model.
+Owns the cross-field checks that must fail at load time, before anything starts
+(min <= initial <= max replicas, W > K, unique draft names, ...), and deriving a
+config from another (`with_overrides`: the CLI's flags). Reading files and
+formatting errors is `specserve.config.loading`; draft pool names are
+`specserve.config.naming`.
 
 It does not check that model folders exist or that a draft's tokenizer matches
 the target's: a config is often written on one machine for models that live on
@@ -23,49 +21,43 @@ Every model forbids unknown keys (`extra="forbid"`), so a typo such as
 
 from __future__ import annotations
 
-import difflib
-import io
 import os
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from specserve.models import DEFAULT_MODEL_NAME
-
-# The CPU default that `specserve` runs when given no config file.
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "cluster" / "default.yaml"
-
-# Draft names become part of Serve deployment names (and later Kubernetes
-# object names, which are DNS labels of at most 63 characters); leave room for
-# the prefix the app adds.
-DRAFT_NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
-DRAFT_NAME_MAX_LEN = 40
+from specserve.config.base import _require_non_empty, _Strict
+from specserve.config.kcontrol import KControlConfig
+from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml, validation_error
+from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
+from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
 
 MAX_SPECULATIVE_TOKENS = 16
 
-
-class ConfigError(ValueError):
-    """A config that cannot be used. The message has one "field.path: problem"
-    line per problem; `errors` holds those lines."""
-
-    def __init__(self, message: str, errors: list[str] | None = None):
-        super().__init__(message)
-        self.errors = errors or []
+# Engine settings that describe one model rather than the machine (its context
+# length): a value the embedded default sets for the default model must not be
+# applied to another model that replaces it (`with_overrides`).
+MODEL_BOUND_ENGINE_KEYS = ("max_model_len",)
 
 
-class _Strict(BaseModel):
-    # extra="forbid": a misspelt key is an error, not a silently ignored setting.
-    model_config = ConfigDict(extra="forbid")
+def lookahead_tokens(k: int, lookahead: int | None) -> int:
+    """The effective W: `lookahead`, or 2K when it is unset."""
+    return lookahead if lookahead is not None else 2 * k
 
 
-def _require_non_empty(value: str | None, what: str) -> str | None:
-    if value is not None and not value.strip():
-        raise ValueError(f"{what} must not be empty; remove the key to use the default")
-    return value
+def lookahead_problem(k: int, lookahead: int | None, k_name: str = "num_speculative_tokens",
+                      lookahead_name: str = "lookahead") -> str | None:
+    """Why W = `lookahead` cannot go with K = `k` (W must exceed K), or None.
+
+    The one statement of the rule: the config model, the CLI and LocalSpec ask
+    it, each naming the settings as its user spells them."""
+    if k > 0 and lookahead is not None and lookahead <= k:
+        return (f"{lookahead_name} ({lookahead}) must be greater than {k_name} ({k}); raise "
+                f"{lookahead_name} or remove it to use 2K ({2 * k})")
+    return None
 
 
 class Resources(_Strict):
@@ -281,19 +273,20 @@ class SpeculationConfig(_Strict):
         None, ge=1,
         description="W: how many tokens past the last verified position a draft may run; "
                     "must be greater than K. Null: 2K.")
+    k_control: KControlConfig = Field(
+        default_factory=KControlConfig,
+        description="The K controller's thresholds: when figures are trusted, probing, margin.")
 
     @model_validator(mode="after")
     def _check(self):
-        k = self.num_speculative_tokens
-        if k > 0 and self.lookahead is not None and self.lookahead <= k:
-            raise ValueError(f"lookahead ({self.lookahead}) must be greater than "
-                             f"num_speculative_tokens ({k}); raise lookahead or remove it "
-                             f"to use 2K ({2 * k})")
+        problem = lookahead_problem(self.num_speculative_tokens, self.lookahead)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def lookahead_tokens(self) -> int:
         """The effective W."""
-        return self.lookahead if self.lookahead is not None else 2 * self.num_speculative_tokens
+        return lookahead_tokens(self.num_speculative_tokens, self.lookahead)
 
 
 class HttpConfig(_Strict):
@@ -444,29 +437,11 @@ class AppConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            lines = [_format_error(err) for err in e.errors()]
-            raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  {l}" for l in lines),
-                              lines) from None
+            raise validation_error(e, cls, source) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AppConfig:
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist; pass the path of a YAML "
-                              f"file such as {DEFAULT_CONFIG_PATH}") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config file {path} is a directory; pass a YAML file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from None
-        stream = io.StringIO(text)
-        stream.name = str(path)  # so YAML errors say `in "path", line N` instead of <unicode string>
-        try:
-            data = yaml.load(stream, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_yaml(path), source=str(path))
 
     @classmethod
     def embedded_default(cls) -> AppConfig:
@@ -481,7 +456,7 @@ class AppConfig(_Strict):
 
     def with_overrides(self, target: str | None = None, drafts: list[str] | None = None,
                        port: int | None = None, api_key: str | None = None,
-                       host: str | None = None) -> AppConfig:
+                       share_draft_cpus: bool = False, host: str | None = None) -> AppConfig:
         """A new config with the CLI's flags applied; None leaves a setting as it is.
 
         target: the target model folder. The served name is reset to follow
@@ -491,19 +466,34 @@ class AppConfig(_Strict):
           -2, -3, ... for repeats) and copies replicas, resources, engine and
           max_ongoing_requests from the first configured draft (or defaults).
           An empty list means no drafts (target-only).
+        share_draft_cpus: the new pools split the first pool's
+          resources.cpus_per_worker between them instead of each copying it
+          (what a local cluster sized for one draft pool needs).
+
+        A model that replaces the default model (target `model: null`, draft
+        `model: default`) does not inherit the engine settings that describe
+        the default model (`MODEL_BOUND_ENGINE_KEYS`, e.g. max_model_len): they
+        become null, the new model's own.
         """
         data = self.model_dump()
         if target is not None:
+            if self.target.model is None:
+                _reset_model_bound(data["target"]["engine"])
             data["target"]["model"] = target
             data["target"]["name"] = None
         if drafts is not None:
-            template = self.drafts[0].model_dump() if self.drafts else {}
-            names: list[str] = []
+            first = self.drafts[0] if self.drafts else None
+            template = first.model_dump() if first else {}
             pools = []
-            for path in drafts:
-                name = _unique_name(_sanitize_name(path), names)
-                names.append(name)
+            for path, name in zip(drafts, pool_names(drafts)):
                 pool = {k: v for k, v in template.items() if k not in ("name", "model")}
+                if share_draft_cpus and "resources" in pool:
+                    pool["resources"] = {**pool["resources"], "cpus_per_worker":
+                                         pool["resources"]["cpus_per_worker"] / len(drafts)}
+                if first is not None and first.model == DEFAULT_DRAFT_KEYWORD \
+                        and path != DEFAULT_DRAFT_KEYWORD:
+                    pool["engine"] = dict(pool["engine"])
+                    _reset_model_bound(pool["engine"])
                 pools.append({**pool, "name": name, "model": path})
             data["drafts"] = pools
         if port is not None:
@@ -526,97 +516,6 @@ class AppConfig(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-# ---- helpers -------------------------------------------------------------------
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key repeated in one mapping: PyYAML keeps the
-    last one silently, which hides copy-paste mistakes."""
-
-
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark,
-                f"found duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                                 _construct_unique_mapping)
-
-
-def _format_loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The config model class found at a location such as ("drafts", 0, "replicas")."""
-    model: type[BaseModel] = AppConfig
-    for part in loc:
-        if isinstance(part, int):  # a list index: the list's item type was taken already
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        annotation = field.annotation
-        if typing.get_origin(annotation) is list:
-            annotation = typing.get_args(annotation)[0]
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
-
-
-def _format_error(err: dict) -> str:
-    """One pydantic error as "field.path: problem"."""
-    loc = tuple(err["loc"])
-    kind = err["type"]
-    msg = err["msg"]
-    if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
-        key = str(loc[-1])
-        if model is not None:
-            valid = list(model.model_fields)
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            msg = f"unknown key; {hint}valid keys: {', '.join(valid)}"
-        else:
-            msg = "unknown key"
-    elif kind == "value_error":
-        # Our own validators' messages: drop pydantic's "Value error, " prefix.
-        msg = msg.removeprefix("Value error, ")
-        # AppConfig's checks carry their path at the start of the message.
-        if not loc:
-            return msg
-    elif kind != "missing" and isinstance(err.get("input"), (str, int, float, bool, type(None))):
-        msg = f"{msg} (got {err['input']!r})"
-    return f"{_format_loc(loc) or '(top level)'}: {msg}"
-
-
-def _sanitize_name(path: str) -> str:
-    """A draft pool name from a model folder: 'Llama-3.2-1B_Instruct/' -> 'llama-3-2-1b-instruct'."""
-    folder = Path(path).name or path
-    name = re.sub(r"[^a-z0-9]+", "-", folder.lower()).strip("-")
-    name = name[:DRAFT_NAME_MAX_LEN].strip("-")
-    return name or "draft"
-
-
-def _unique_name(base: str, taken: list[str]) -> str:
-    """base, or base-2, base-3, ... (shortened to fit) if base is taken."""
-    if base not in taken:
-        return base
-    n = 2
-    while True:
-        suffix = f"-{n}"
-        candidate = base[:DRAFT_NAME_MAX_LEN - len(suffix)].strip("-") + suffix
-        if candidate not in taken:
-            return candidate
-        n += 1
+def _reset_model_bound(engine: dict) -> None:
+    for key in MODEL_BOUND_ENGINE_KEYS:
+        engine[key] = None

@@ -1,0 +1,88 @@
+"""The edges of the tool commands: `specserve bench` and `specserve distill`.
+
+Owns checking their models and flags (one line, exit 2) and printing what
+they return; the bodies are `specserve.tools.bench` and
+`specserve.tools.distill`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from specserve.cli.common import UsageError, default_draft, draft_dir, model_dir, results_on_stdout
+
+
+def run_bench(args) -> int:
+    """`specserve bench`: the body is specserve/tools/bench/; here only the edge."""
+    from specserve.tools.bench import report as bench_report
+    from specserve.tools.bench import run as bench
+    from specserve.models import ensure_default_model, tokenizers_compatible
+
+    target = model_dir(args.target, "target") if args.target else str(ensure_default_model())
+    if args.draft:
+        draft = draft_dir(args.draft)
+    elif args.target:
+        draft = None
+    else:
+        draft = default_draft()
+    needs_draft = {"vllm_draft_model", "specserve", "specserve_http"} & set(args.systems)
+    if draft is None and needs_draft:
+        raise UsageError(f"systems {sorted(needs_draft)} need --draft PATH (a draft model "
+                         "with the target's tokenizer); or choose --systems target_only "
+                         "specserve_synthetic")
+    if draft is not None:
+        problem = tokenizers_compatible(target, draft)
+        if problem:
+            raise UsageError(problem)
+    try:
+        bargs = bench.bench_args(args, target, draft)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    import tempfile
+
+    with results_on_stdout(), tempfile.TemporaryDirectory(prefix="specserve-bench-") as work:
+        try:
+            report = asyncio.run(bench.run_bench(bargs, Path(work)))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    png = bench_report.write_outputs(report, args.json_path, args.plot)
+    print(bench_report.markdown(report))
+    print(f"specserve bench: plot written to {png}" +
+          (f", results to {args.json_path}" if args.json_path else ""), file=sys.stderr)
+    if report["greedy_mismatches"]:
+        print("specserve bench: error: greedy output differs from target_only for "
+              f"{len(report['greedy_mismatches'])} requests (see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_distill(args) -> int:
+    import shlex
+
+    from specserve.tools.distill import run as distill
+    from specserve.tools.distill.recipe import DistillError
+    from specserve.models import ensure_default_model
+
+    target = args.target or str(ensure_default_model())
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    command = "specserve " + shlex.join(args.argv)
+    try:
+        state = distill.run(target, args.layers, args.out, args.minutes,
+                            train_tokens=args.train_tokens, data_minutes=args.data_minutes,
+                            data_only=args.data_only, top_k=args.top_k, seed=args.seed,
+                            threads=args.threads, lr=args.lr,
+                            checkpoint_minutes=args.checkpoint_minutes,
+                            eval_count=args.eval_prompts, answer_tokens=args.answer_tokens,
+                            command=command)
+    except DistillError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps({"out": str(Path(args.out).resolve()), "layers": state.layers,
+                      "train_tokens": state.train_tokens, "eval_tokens": state.eval_tokens,
+                      "alpha_before": state.alpha_before, "alpha_after": state.alpha_after,
+                      "target_alpha": state.target_alpha,
+                      "train_seconds": round(state.train_seconds, 1)}))
+    return 0

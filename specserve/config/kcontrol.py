@@ -1,0 +1,31 @@
+"""The K controller's thresholds in the config (`speculation.k_control`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from specserve.config.base import _Strict
+
+
+class KControlConfig(_Strict):
+    """When the K controller trusts its figures and how it probes
+    (specserve/control/controller.py; the rate model is specserve/control/policy.py)."""
+
+    min_drafted_tokens: int = Field(
+        64, ge=1, description="Drafted tokens a draft pool must have had verified before its "
+                              "acceptance is trusted; until then it runs at full K.")
+    min_requests: int = Field(
+        4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
+                             "than min_drafted_tokens (drafts that never arrive in time).")
+    probe_every: int = Field(
+        16, ge=1, description="When no pool's K is above 0, every this many requests one pool "
+                              "runs at full K, so that a recovery is noticed.")
+    margin: float = Field(
+        0.03, ge=0, description="With measured step costs, speculate only when the predicted "
+                                "rate beats K=0 by this share (0.03: 3 %).")
+
+    def thresholds(self):
+        from specserve.control.policy import Thresholds
+
+        return Thresholds(self.min_drafted_tokens, self.min_requests, self.probe_every,
+                          self.margin)

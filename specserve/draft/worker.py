@@ -1,0 +1,70 @@
+"""The one draft worker: a draft model and the runner that speculates with it.
+
+Owns starting and stopping what every draft replica runs, whoever drives it: a
+draft model (a vLLM engine for a model folder, or the synthetic replay for
+`synthetic:A[@Dms]`) and its `DraftRunner`, which streams drafts to target
+sinks. Serve's draft replica (`deployments/draft.py`, driven by Ray streaming
+calls) and the stand-alone draft process (`specserve/draft/server.py`, driven by
+the gRPC Drafter service that `specserve generate` uses) both start one with
+`DraftWorker.start`. It never talks HTTP and never decides output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from specserve.draft.runner import DraftRunner, VllmDraftModel
+from specserve.target.engine import EngineSettings, apply_cpu_env, engine_args, shutdown_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class DraftWorker:
+    runner: DraftRunner
+    engine: object | None  # the vLLM engine (None for the synthetic draft)
+    procs: list
+
+    @classmethod
+    def start(cls, model: str, settings: EngineSettings, *, tls=None, cpus: str | None = None,
+              replay_path: str | None = None, vocab_size: int | None = None) -> "DraftWorker":
+        """model: a draft model folder, 'default' (the shipped distilled draft), or
+        synthetic:A[@Dms] (needs replay_path and vocab_size: the target's greedy
+        outputs and vocabulary). tls: mutual TLS to the sinks (TlsFiles). cpus:
+        OpenMP core list of a CPU engine (unless the environment sets one)."""
+        from specserve.draft import synthetic
+
+        if tls is not None:
+            tls.read()  # a missing file fails here, with its path
+        if synthetic.is_synthetic(model):
+            if replay_path is None or vocab_size is None:
+                raise ValueError("a synthetic draft needs the target's recorded outputs "
+                                 "(replay) and vocabulary size")
+            replay = synthetic.Replay.load(replay_path)
+            log.info("synthetic draft %s: %d recorded prompts", model, len(replay))
+            draft_model = synthetic.SyntheticDraftModel(
+                synthetic.parse(model), replay, vocab_size, seed=settings.seed,
+                max_model_len=settings.max_model_len or (1 << 30))
+            return cls(DraftRunner(draft_model, tls=tls), None, [])
+        from specserve.models import resolve_draft
+        from specserve.target.engine import start_engine
+
+        apply_cpu_env(settings)
+        if cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus  # ignored on GPUs
+        engine, procs = start_engine(engine_args(resolve_draft(model), settings))
+        runner = DraftRunner(VllmDraftModel(engine, engine.model_config.max_model_len), tls=tls)
+        return cls(runner, engine, procs)
+
+    async def check_health(self) -> None:
+        if self.engine is not None:
+            await self.engine.check_health()
+
+    async def close(self) -> None:
+        log.info("draft shutting down: %s", self.runner.stats)
+        await self.runner.close()
+        if self.engine is not None:
+            shutdown_engine(self.engine, self.procs)
+            self.engine = None

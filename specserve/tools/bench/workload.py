@@ -1,0 +1,85 @@
+"""What a bench run runs: the systems, the prompts, the arguments (pure, no I/O).
+
+Owns the Spec-Bench prompt format (parsing, choosing a sample that covers every
+category) and `BenchArgs`, the one description of a run that the backends, the
+runner and the report read. Never starts an engine or measures anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+SYSTEMS = ("target_only", "vllm_draft_model", "specserve", "specserve_synthetic",
+           "specserve_http")
+SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
+
+
+@dataclasses.dataclass
+class Prompt:
+    question_id: str
+    category: str
+    text: str  # the first turn, sent as one user chat message
+    ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def parse_prompts(lines: list[str], source: str = "prompts") -> list[Prompt]:
+    """Spec-Bench JSONL (question_id, category, turns) -> prompts; first turn only."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            turns = r["turns"]
+            text = turns[0] if isinstance(turns, list) else None
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise ValueError(f"{source}:{n}: not a Spec-Bench line "
+                             '({"question_id", "category", "turns": [...]})') from None
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{source}:{n}: turns[0] must be a non-empty string")
+        out.append(Prompt(str(r.get("question_id", n)), str(r.get("category", "none")), text))
+    if not out:
+        raise ValueError(f"{source}: no prompts")
+    return out
+
+
+def select_prompts(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """n prompts, taking categories in turn (file order within each), so a
+    small sample still covers every category."""
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    queues = list(by_cat.values())
+    out: list[Prompt] = []
+    i = 0
+    while len(out) < n and any(queues):
+        q = queues[i % len(queues)]
+        if q:
+            out.append(q.pop(0))
+        i += 1
+    return out
+
+
+
+@dataclasses.dataclass
+class BenchArgs:
+    target: str
+    draft: str | None
+    prompts_file: Path
+    num_prompts: int
+    max_tokens: int
+    temperature: float
+    concurrency: list[int]
+    alphas: list[float]
+    k: int
+    systems: list[str]
+    rounds: int = 1
+    dtype: str = "float32"
+    kv_cache_gib: int = 1
+    max_model_len: int | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+    synthetic_delay_ms: float = 0.0
+
