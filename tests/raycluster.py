@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from serving import free_port
+from specserve.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_GPU_SHIM = REPO / "specserve" / "testing" / "fakegpu"

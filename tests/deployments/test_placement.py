@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from raycluster import LoopbackCluster, Node
-from serving import free_port, post
+from specserve.ports import free_port
+from specserve.tools.serveproc import post
 
 pytestmark = pytest.mark.slow
 
