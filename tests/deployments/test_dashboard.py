@@ -92,13 +92,13 @@ def test_stats_have_pools_and_autoscaling_decisions(app):
 
 
 def test_metrics_carry_what_grafana_queries(app):
-    from grafana import grafana_metric_names
+    from grafana import exposed_names, grafana_metric_names
 
     status, text = get(f"{app.url}/metrics", AUTH)
     assert status == 200
     assert re.search(r'^specserve_pool_replicas\{pool="target"\} 1$', text, re.M)
     assert re.search(r'^specserve_pool_replicas\{pool="same"\} 1$', text, re.M)
-    exported = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    exported = exposed_names(text)
     wanted = {m for m in grafana_metric_names() if not m.startswith("ray_")}
     assert wanted and wanted <= exported, sorted(wanted - exported)
 

@@ -19,7 +19,6 @@ import ast
 import importlib
 import inspect
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,7 +27,8 @@ import yaml
 
 from specserve.config import AppConfig
 
-from grafana import PROMQL_FUNCTIONS, dashboard, grafana_expressions, grafana_metric_names, promql_metrics
+from grafana import (PROMQL_FUNCTIONS, dashboard, exposed_names, grafana_expressions,
+                     grafana_metric_names, promql_metrics)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specserve"
@@ -457,7 +457,7 @@ def exported_metric_names() -> set[str]:
     stats.current_k["d"] = 4
     text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
         pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)})))
-    names = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    names = exposed_names(text)
     suffixes = {"Counter": ("", "_total"), "Gauge": ("",),
                 "Histogram": ("_bucket", "_sum", "_count")}
     for path in [*(REPO / "specserve").rglob("*.py"), *(REPO / "deployments").rglob("*.py")]:
