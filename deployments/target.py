@@ -59,7 +59,8 @@ class TargetServer:
             self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
             sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
             tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
-            distributed_executor_backend=None if executor == "uni" else executor)
+            distributed_executor_backend=None if executor == "uni" else executor,
+            engine_metrics=True)  # vLLM's own metrics, for vLLM's dashboards
         # The engine, its counters and its measured decode step cost (a + b ·
         # tokens), which the router's K choice reads through spec_totals.
         self.engine, self.totals = self.target.engine, self.target.totals

@@ -34,6 +34,7 @@ class Node:
     num_gpus: int = 0
     memory_gib: int = 16
     resources: dict = dataclasses.field(default_factory=dict)
+    metrics_port: int | None = None  # set at start
 
 
 class LoopbackCluster:
@@ -53,6 +54,7 @@ class LoopbackCluster:
         import json
 
         resources = {**node.resources, f"{NODE_RESOURCE}{node.name}": 1}
+        node.metrics_port = free_port()  # Ray's metrics agent: Prometheus text
         args = [RAY, "start", "--block", "--node-ip-address=127.0.0.1",
                 f"--num-cpus={node.num_cpus}", f"--num-gpus={node.num_gpus}",
                 f"--memory={node.memory_gib << 30}", "--object-store-memory=200000000",
@@ -61,7 +63,7 @@ class LoopbackCluster:
                 f"--dashboard-agent-listen-port={free_port()}",
                 f"--dashboard-agent-grpc-port={free_port()}",
                 f"--runtime-env-agent-port={free_port()}",
-                f"--metrics-export-port={free_port()}",
+                f"--metrics-export-port={node.metrics_port}",
                 f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
         if head:
             # The dashboard serves Ray's state API (ray list ..., ray.util.state).

@@ -274,7 +274,8 @@ class TargetEngine:
     def start(cls, model: str, settings: EngineSettings, *, tp: int = 1, k: int = 0,
               sink_bind: str = "127.0.0.1:0", sink_host: str = "127.0.0.1", tls=None,
               cpus: str | None = None, distributed_executor_backend: str | None = None,
-              speculative_config: dict | None = None) -> "TargetEngine":
+              speculative_config: dict | None = None,
+              engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 
         k > 0: the remote-draft proposer with K drafted tokens per step, its sink
@@ -283,6 +284,9 @@ class TargetEngine:
         cpus: the OpenMP core list of the engine's processes (CPU engines).
         speculative_config: another vLLM speculative config instead of ours
           (the bench's co-located `draft_model` baseline); no sink then.
+        engine_metrics: also export vLLM's own engine metrics (vllm:* as
+          ray_vllm_*, spec-decode counters included) through Ray's metrics
+          agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
         """
         from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
         from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
@@ -322,8 +326,13 @@ class TargetEngine:
         totals.step_observer = step_costs.add
         saved = _set_env(env)
         try:
+            loggers = [factory]
+            if engine_metrics:
+                from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+                loggers.append(RayPrometheusStatLogger)
             engine, procs = start_engine(engine_args(model, settings, **extra),
-                                         stat_loggers=[factory])
+                                         stat_loggers=loggers)
         finally:
             _set_env(saved)
         try:

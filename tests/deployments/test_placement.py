@@ -15,6 +15,7 @@ multi-node Ray cluster on loopback with fake GPUs (tests/raycluster.py):
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import yaml
 
 from raycluster import LoopbackCluster, Node
 from specserve.ports import free_port
-from specserve.tools.serveproc import post
+from specserve.tools.serveproc import get, post
 
 pytestmark = pytest.mark.slow
 
@@ -205,6 +206,19 @@ def test_real_cpu_engine_tp2_through_vllms_ray_executor(cluster, tiny_models):
         pg = _pg_bundles(pgs.pop())
         assert len(pg["bundles"]) == 2 and all(b["GPU"] == 1.0 for b in pg["bundles"].values())
         assert len({a.node_id for a in workers}) == 1
-        assert cluster.node_names()[workers[0].node_id].startswith("large-")
+        node = cluster.node_names()[workers[0].node_id]
+        assert node.startswith("large-")
+        # vLLM's own engine metrics, exported by the target replica through
+        # Ray's metrics agent on its node (what vLLM's dashboards read).
+        port = next(n.metrics_port for n in cluster.nodes if n.name == node)
+        deadline = time.monotonic() + 60
+        while True:
+            status, text = get(f"http://127.0.0.1:{port}/metrics")
+            found = re.findall(r"^ray_vllm_spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$",
+                               str(text), re.M)
+            if found and float(found[0]) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(5)
+        assert found and float(found[0]) > 0, str(text)[:2000]
     finally:
         _shutdown(cluster)
