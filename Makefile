@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: image-cpu image-gpu install test test-fast soak serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
+.PHONY: image-cpu image-gpu prometheus install test test-fast soak serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
 
 install: $(STAMP)
 
@@ -25,7 +25,7 @@ image-cpu:
 image-gpu:
 	docker build -f Dockerfile.gpu -t specserve:$(VERSION)-gpu .
 
-test: install browser
+test: install browser prometheus
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # Debian's chromium and chromedriver, which the /dashboard test drives
@@ -36,6 +36,16 @@ browser:
 		$$SUDO apt-get update -q && \
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 			chromium chromium-driver; \
+	fi
+
+# Debian's Prometheus (prometheus, promtool), which the live Prometheus test
+# runs against the router's /metrics (installed only when missing).
+prometheus:
+	@if [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ]; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+			prometheus; \
 	fi
 
 # Pure-logic tests only (seconds): no engines, no processes.
