@@ -211,6 +211,11 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 4)
     assert target["template"]["spec"]["nodeSelector"] == {
         "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    # Each group advertises its accelerator type as a Ray resource (what the
+    # bundles and draft actors ask for), so KubeRay's autoscaler can grow it.
+    for group, kind in ((target, "H100"), (draft, "L4")):
+        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
+            f"accelerator_type:{kind}": 1}
     # Draft replicas: one L4 each; both pools' bounds added up (2-8 and 1-4).
     assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert (draft["minReplicas"], draft["maxReplicas"]) == (3, 12)

@@ -242,3 +242,18 @@ volumes:
 {{- range $k, $v := . }}{{ $_ := set $out $k (toString $v) }}{{ end -}}
 {{- toYaml $out -}}
 {{- end -}}
+
+
+{{/* A group's rayStartParams with the accelerator types its pools ask for
+     advertised as Ray resources (accelerator_type:<T>), so KubeRay's
+     autoscaler knows which group to grow for a bundle that asks for one:
+     (dict "params" $groupParams "types" (list "H100")). Explicit params win. */}}
+{{- define "specserve.groupStartParams" -}}
+{{- $p := deepCopy (.params | default dict) -}}
+{{- if and .types (not (hasKey $p "resources")) -}}
+{{- $res := dict -}}
+{{- range .types }}{{ $_ := set $res (printf "accelerator_type:%s" .) 1 }}{{ end -}}
+{{- $_ := set $p "resources" (printf "%q" (toJson $res)) -}}
+{{- end -}}
+{{- include "specserve.rayStartParams" $p -}}
+{{- end -}}
