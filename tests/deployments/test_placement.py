@@ -134,13 +134,20 @@ def test_gpu_example_shape_places_every_tp_worker_and_draft(cluster, tmp_path):
                 # vLLM's worker actors sit in the replica's group, on its node
                 assert w["placement_group"] == actor["placement_group"]
                 assert names[w["node_id"]] == node
-                # one GPU each, the one vLLM tells the worker to drive
+                # one GPU each from Ray
                 assert len(w["gpu_ids"]) == 1
-                assert w["assigned_physical_gpu_ids"][w["local_rank"]] == int(w["gpu_ids"][0])
                 # the replica's SPECSERVE_* settings (the draft sink's) reach it
                 assert w["probe_env"] == r["replica"]
-            assert sorted(w["gpu_ids"][0] for w in workers) == ["0", "1", "2", "3"]
+            ray_gpus = sorted(int(w["gpu_ids"][0]) for w in workers)
+            assert ray_gpus == [0, 1, 2, 3]
             assert sorted(w["local_rank"] for w in workers) == [0, 1, 2, 3]
+            # vLLM drives device local_rank of the node's GPUs it was told of
+            # (all visible, as on CUDA): exactly the GPUs Ray gave this
+            # replica's workers, one worker each.
+            for w in workers:
+                assert w["assigned_physical_gpu_ids"] == ray_gpus
+            assert sorted(w["assigned_physical_gpu_ids"][w["local_rank"]]
+                          for w in workers) == ray_gpus
             # one worker per bundle: the bundles' nodes are the replica's node
             assert set(pg["bundles_to_node_id"].values()) == {actor["node_id"]}
         assert target_nodes == {"large-0", "large-1"}  # one replica per large node
