@@ -52,8 +52,10 @@ class ProbeWorker:
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs):
         self.vllm_config = vllm_config
+        # vLLM's worker wrapper moves the node's GPU ids into the config.
+        gpu_ids = getattr(vllm_config.parallel_config, "assigned_physical_gpu_ids", None)
         self.told = {"rank": rank, "local_rank": local_rank, "is_driver_worker": is_driver_worker,
-                     "assigned_physical_gpu_ids": kwargs.get("assigned_physical_gpu_ids")}
+                     "assigned_physical_gpu_ids": list(gpu_ids) if gpu_ids is not None else None}
 
     def init_device(self) -> None:
         pass
