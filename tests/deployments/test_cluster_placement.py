@@ -221,8 +221,8 @@ def test_real_cpu_engine_tp2_through_vllms_ray_executor(cluster, tiny_models):
         deadline = time.monotonic() + 60
         while True:
             status, text = get(f"http://127.0.0.1:{port}/metrics")
-            found = re.findall(r"^ray_vllm_spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$",
-                               str(text), re.M)
+            found = re.findall(r"^ray_vllm_spec_decode_num_draft_tokens(?:_total)?"
+                               r"(?:\{[^}]*\})? (\S+)$", str(text), re.M)
             if found and float(found[0]) > 0 or time.monotonic() > deadline:
                 break
             time.sleep(5)
