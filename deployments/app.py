@@ -7,7 +7,8 @@ config model (`specserve.config.AppConfig`).
 
 from __future__ import annotations
 
-from specserve.config import AppConfig, Autoscaling, Resources
+from specserve.config import AppConfig, Autoscaling
+from specserve.placement import draft_actor_options, target_placement
 
 from deployments.draft import DraftServer
 from deployments.router import Router
@@ -28,27 +29,18 @@ def _scaling(r: Autoscaling, policy: str) -> dict:
     }}
 
 
-def _actor_options(res: Resources, cpus: float | None = None) -> dict:
-    opts: dict = {"num_cpus": res.cpus_per_worker if cpus is None else cpus,
-                  "num_gpus": res.gpus_per_worker}
-    if res.accelerator_type:
-        opts["accelerator_type"] = res.accelerator_type
-    if res.memory_gib:
-        opts["memory"] = int(res.memory_gib * (1 << 30))
-    if res.env:
-        opts["runtime_env"] = {"env_vars": dict(res.env)}
-    return opts
-
-
-def build_app(cfg: AppConfig):
+def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
+    """The Serve app of `cfg`. target_cls / draft_cls: classes with the
+    constructors of TargetServer / DraftServer (the placement tests deploy
+    stand-ins, specserve.testing.standin, with exactly these options)."""
     from ray import serve
 
     config = cfg.model_dump(mode="json")
     drafts = {}
     for d in cfg.drafts:
-        drafts[d.name] = serve.deployment(DraftServer).options(
+        drafts[d.name] = serve.deployment(draft_cls).options(
             name=f"draft-{d.name}",
-            ray_actor_options=_actor_options(d.resources),
+            ray_actor_options=draft_actor_options(d.resources),
             max_ongoing_requests=d.max_ongoing_requests,
             health_check_period_s=10,
             **_scaling(d.replicas, "draft_policy"),
@@ -57,21 +49,15 @@ def build_app(cfg: AppConfig):
                cfg.speculation.model_dump(mode="json"))
 
     t = cfg.target
-    tp = t.tensor_parallel_size
-    bundle = {"CPU": t.resources.cpus_per_worker}
-    if t.resources.gpus_per_worker:
-        bundle["GPU"] = t.resources.gpus_per_worker
-    if t.resources.accelerator_type:
-        bundle[f"accelerator_type:{t.resources.accelerator_type}"] = 0.001
-    # One bundle per TP worker; the replica actor itself lives in the first
-    # bundle and asks for its share of it (vLLM's workers use the rest).
-    actor = _actor_options(t.resources)
-    actor.pop("accelerator_type", None)  # expressed by the bundles
-    target = serve.deployment(TargetServer).options(
+    # One bundle per TP worker; the replica actor lives in bundle 0 and takes no
+    # GPU: on GPUs vLLM's Ray executor puts one worker on each bundle
+    # (specserve.placement).
+    place = target_placement(t)
+    target = serve.deployment(target_cls).options(
         name="target",
-        ray_actor_options=actor,
-        placement_group_bundles=[dict(bundle) for _ in range(tp)],
-        placement_group_strategy="STRICT_PACK",
+        ray_actor_options=place.actor,
+        placement_group_bundles=place.bundles,
+        placement_group_strategy=place.strategy,
         max_ongoing_requests=t.max_ongoing_requests,
         health_check_period_s=10,
         **_scaling(t.replicas, "target_policy"),

@@ -145,7 +145,7 @@ class Router:
         the figures as Ray Serve metrics (needs Ray)."""
         self.config = AppConfig.model_validate(config)
         self.target = target
-        self.api_key = self.config.http.api_key
+        self.api_key = self.config.http.api_key_value()  # api_key_env: from a Secret
         self.max_body = self.config.http.max_body_bytes
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
         self.choice = DraftChoice(self.config, target, draft_names, self.stats)

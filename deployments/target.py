@@ -41,6 +41,7 @@ def _node_ip() -> str:
 class TargetServer:
     def __init__(self, config: dict, drafts: dict | None = None):
         from specserve.models import ensure_default_model
+        from specserve.placement import target_placement
         from specserve.target.engine import TargetEngine, cpu_binding, settings_from
 
         self.config = AppConfig.model_validate(config)
@@ -52,11 +53,16 @@ class TargetServer:
         self.model_dir = t.model or str(ensure_default_model())
         os.environ.update(t.resources.env)
         target_cpus, _ = cpu_binding(t.tensor_parallel_size)
+        # On GPUs the replica actor holds no GPU: vLLM's Ray executor puts the
+        # TP workers on the bundles of this replica (specserve.placement).
+        executor = target_placement(t).executor
         self.target = TargetEngine.start(
             self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
             sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
             tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
-            max_wait_ms=self.config.speculation.max_wait_ms)
+            max_wait_ms=self.config.speculation.max_wait_ms,
+            distributed_executor_backend=None if executor == "uni" else executor,
+            engine_metrics=True)  # vLLM's own metrics, for vLLM's dashboards
         # The engine, its counters and its measured decode step cost (a + b ·
         # tokens), which the router's K choice reads through spec_totals.
         self.engine, self.totals = self.target.engine, self.target.totals

@@ -11,7 +11,7 @@ from pathlib import Path
 DASHBOARD = Path(__file__).resolve().parents[1] / "helm" / "specserve" / "dashboards" / "specserve.json"
 
 
-PROMQL_FUNCTIONS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase",
+PROMQL_FUNCTIONS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase", "changes",
                     "histogram_quantile", "clamp_min", "clamp_max", "topk", "bottomk"}
 PROMQL_WORDS = {"and", "or", "unless", "bool", "offset"}
 
@@ -46,4 +46,14 @@ def grafana_metric_names() -> set[str]:
     names = set()
     for expr in grafana_expressions():
         names |= promql_metrics(expr)[0]
+    return names
+
+
+def exposed_names(text: str) -> set[str]:
+    """The series names a Prometheus text exposition defines (a histogram
+    `x` defines x_bucket, x_sum and x_count)."""
+    names = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)", text, re.M):
+        names |= ({f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram"
+                  else {name})
     return names

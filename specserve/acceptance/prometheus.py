@@ -6,6 +6,10 @@ the exported counters:
                     / rate(specserve_draft_tokens_total[$__rate_interval])
   coverage:         rate(specserve_steps_with_drafts_total[$__rate_interval])
                     / rate(specserve_target_steps_total[$__rate_interval])
+  TTFT p95:         histogram_quantile(0.95, sum by (le)
+                      (rate(specserve_ttft_seconds_bucket[$__rate_interval])))
+  tokens/s:         sum(rate(specserve_output_tokens_total[$__rate_interval]))
+Label sets are bounded: draft model and replica, target replica, position < K.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ _COUNTERS = [
 
 
 def prometheus_text(stats: SpecStats, now: float) -> str:
-    """The same figures as /v1/spec/stats in Prometheus text exposition format."""
+    """The same figures as /v1/spec/stats in Prometheus text exposition format:
+    counters and histograms since start (`now` is unused: nothing here is a
+    windowed figure; rates and quantiles are Prometheus' to compute)."""
     lines = []
     for attr, name, help_text in _COUNTERS:
         lines += [f"# HELP specserve_{name} {help_text}", f"# TYPE specserve_{name} counter"]
@@ -42,7 +48,6 @@ def prometheus_text(stats: SpecStats, now: float) -> str:
               "# TYPE specserve_k gauge"]
     for m in sorted(stats.by_model):
         lines.append(f'specserve_k{{draft_model="{m}"}} {stats.current_k.get(m, stats.k)}')
-    e2e = stats.end_to_end(now)
     lines += ["# HELP specserve_draft_lag_tokens Tokens a draft replica was behind the "
               "verified position, recently.", "# TYPE specserve_draft_lag_tokens gauge"]
     for (m, rep), lag in sorted(stats.draft_lag.items()):
@@ -52,10 +57,16 @@ def prometheus_text(stats: SpecStats, now: float) -> str:
                   f"# TYPE specserve_target_{key} gauge"]
         for t, live in sorted(stats.target_live.items()):
             lines.append(f'specserve_target_{key}{{target_replica="{t}"}} {live[key]}')
-    for key, name in (("ttft_p50_s", "ttft_p50_seconds"), ("tpot_p50_s", "tpot_p50_seconds"),
-                      ("output_tokens_per_s", "output_tokens_per_second"),
-                      ("goodput_tokens_per_s", "goodput_tokens_per_second")):
-        lines += [f"# HELP specserve_{name} Over the last 60 s of finished requests.",
-                  f"# TYPE specserve_{name} gauge",
-                  f"specserve_{name} {e2e[key] if e2e[key] is not None else 'NaN'}"]
+    for name, hist, what in (("ttft_seconds", stats.ttft, "Time to first token"),
+                             ("tpot_seconds", stats.tpot, "Time per output token")):
+        lines += [f"# HELP specserve_{name} {what} of finished requests.",
+                  f"# TYPE specserve_{name} histogram"]
+        for bound, count in zip(hist.bounds, hist.counts):
+            lines.append(f'specserve_{name}_bucket{{le="{bound:g}"}} {count}')
+        lines += [f'specserve_{name}_bucket{{le="+Inf"}} {hist.total}',
+                  f"specserve_{name}_sum {hist.sum_s}", f"specserve_{name}_count {hist.total}"]
+    lines += ["# HELP specserve_goodput_tokens_total Output tokens of requests that met both "
+              f"latency objectives (TTFT <= {stats.slo_ttft_s:g} s, TPOT <= "
+              f"{stats.slo_tpot_s:g} s).", "# TYPE specserve_goodput_tokens_total counter",
+              f"specserve_goodput_tokens_total {stats.goodput_tokens}"]
     return "\n".join(lines) + "\n"

@@ -40,6 +40,31 @@ class RequestRecord:
         return (self.duration_s - self.ttft_s) / (n - 1) if n > 1 else None
 
 
+# Histogram bucket bounds (seconds), the router's Ray histograms' too.
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+TPOT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+
+
+@dataclasses.dataclass
+class LatencyHistogram:
+    """Cumulative counts of observations <= each bound (Prometheus' le buckets)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = dataclasses.field(default_factory=list)
+    total: int = 0
+    sum_s: float = 0.0
+
+    def __post_init__(self):
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if value <= b:
+                self.counts[i] += 1
+        self.total += 1
+        self.sum_s += value
+
+
 class SpecStats:
     """Totals since start plus a window of recent requests for latencies and rates."""
 
@@ -56,6 +81,10 @@ class SpecStats:
         self.target_only = Figures()
         self.recent: deque[RequestRecord] = deque(maxlen=window)
         self.current_k: dict[str, int] = {}
+        # Since start, for Prometheus (quantiles and rates are computed there).
+        self.ttft = LatencyHistogram(TTFT_BUCKETS_S)
+        self.tpot = LatencyHistogram(TPOT_BUCKETS_S)
+        self.goodput_tokens = 0  # output tokens of requests that met both SLOs
 
     def record(self, r: RequestRecord) -> None:
         rep, acc = r.report, r.acceptance
@@ -71,6 +100,14 @@ class SpecStats:
         if rep.draft_model is not None and rep.draft_lag is not None:
             self.draft_lag[(rep.draft_model, rep.draft_replica or "?")] = rep.draft_lag
         self.recent.append(r)
+        self.ttft.observe(r.ttft_s)
+        if r.tpot_s is not None:
+            self.tpot.observe(r.tpot_s)
+        if self.meets_slo(r):
+            self.goodput_tokens += r.output_tokens
+
+    def meets_slo(self, r: RequestRecord) -> bool:
+        return r.ttft_s <= self.slo_ttft_s and (r.tpot_s or 0.0) <= self.slo_tpot_s
 
     def end_to_end(self, now: float, horizon_s: float = 60.0) -> dict:
         """Latencies and rates over the requests finished in the last horizon_s.
@@ -79,8 +116,7 @@ class SpecStats:
         objectives (TTFT <= slo_ttft_s and TPOT <= slo_tpot_s)."""
         recent = [r for r in self.recent if now - r.finished_at <= horizon_s]
         tpots = [t for t in (r.tpot_s for r in recent) if t is not None]
-        good = [r for r in recent if r.ttft_s <= self.slo_ttft_s
-                and (r.tpot_s or 0.0) <= self.slo_tpot_s]
+        good = [r for r in recent if self.meets_slo(r)]
         return {
             "requests": len(recent),
             "ttft_p50_s": percentile([r.ttft_s for r in recent], 50),

@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "model); repeat for one draft pool per model; "
                     "'none' for target-only (overrides the config)")
     sv.add_argument("--port", type=positive_int("port"), help="HTTP port (overrides the config)")
+    sv.add_argument("--host", help="address the HTTP server binds to, e.g. 0.0.0.0 in a "
+                    "container (overrides the config)")
     sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
 
     d = sub.add_parser("distill", help="distil a small draft out of a target's own layers "

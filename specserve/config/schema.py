@@ -21,6 +21,8 @@ Every model forbids unknown keys (`extra="forbid"`), so a typo such as
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -319,6 +321,12 @@ class HttpConfig(_Strict):
     api_key: str | None = Field(
         None, description="Bearer token clients must send (Authorization: Bearer ...). "
                           "Null: no authentication.")
+    api_key_env: str | None = Field(
+        None, description="Name of an environment variable holding the bearer token, read by "
+                          "the router when it starts: keeps the key out of the config, which "
+                          "anyone who can read a RayService or the Ray dashboard can read (the "
+                          "Helm chart fills it from a Secret). Use instead of api_key. "
+                          "Null: api_key decides.")
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1, description="Largest request body accepted, bytes; "
                                            "larger requests get HTTP 413.")
@@ -338,6 +346,32 @@ class HttpConfig(_Strict):
         if v is not None and not v.strip():
             raise ValueError("api_key is empty; set a key or use null for no authentication")
         return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _api_key_env_name(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"api_key_env {v!r} is not an environment variable name; use "
+                             "letters, digits and '_' (e.g. SPECSERVE_API_KEY)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_key_source(self):
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        return self
+
+    def api_key_value(self) -> str | None:
+        """The bearer token clients must send (None: no authentication); with
+        api_key_env, read from the environment now."""
+        if self.api_key_env is None:
+            return self.api_key
+        value = os.environ.get(self.api_key_env, "")
+        if not value.strip():
+            raise ConfigError(f"http.api_key_env: the environment variable {self.api_key_env} "
+                              "is not set or empty; set it (the Helm chart fills it from its "
+                              "Secret) or remove api_key_env")
+        return value
 
 
 class RayConfig(_Strict):
@@ -445,7 +479,7 @@ class AppConfig(_Strict):
 
     def with_overrides(self, target: str | None = None, drafts: list[str] | None = None,
                        port: int | None = None, api_key: str | None = None,
-                       share_draft_cpus: bool = False) -> AppConfig:
+                       share_draft_cpus: bool = False, host: str | None = None) -> AppConfig:
         """A new config with the CLI's flags applied; None leaves a setting as it is.
 
         target: the target model folder. The served name is reset to follow
@@ -487,8 +521,11 @@ class AppConfig(_Strict):
             data["drafts"] = pools
         if port is not None:
             data["http"]["port"] = port
+        if host is not None:
+            data["http"]["host"] = host
         if api_key is not None:
             data["http"]["api_key"] = api_key
+            data["http"]["api_key_env"] = None  # the flag's key replaces the variable's
         # Validate again: an override can break a cross-field rule (e.g. drafts
         # added to a K=0 config).
         return AppConfig.from_dict(data, source="command line")

@@ -14,7 +14,8 @@ The draft pool grows while its drafts arrive late under load (low coverage with
 lag) and shrinks when idle; the target pool grows with queueing or full batches
 and shrinks when mostly empty. Bounds and delays come from the config (Serve
 applies upscale/downscale delays around these functions). Every decision is
-logged with its reason when it changes, exported as a gauge and published
+logged with its reason when it changes, exported as a gauge (one series per
+pool, no reason label) and published
 for the router's stats and dashboard (`specserve.control.pools`).
 """
 
@@ -98,10 +99,12 @@ def _export(pool: str, decision: Decision) -> None:
     try:
         from ray.serve.metrics import Gauge
 
+        # One series per pool: the reason (free text with figures in it) goes
+        # to the decision log (log line, /v1/spec/stats, /dashboard), never a
+        # label, which would make a new series for every decision.
         Gauge("specserve_autoscale_desired_replicas",
-              description="Replicas the specserve policy asks for, with its reason.",
-              tag_keys=("pool", "reason")).set(decision.replicas,
-                                               tags={"pool": pool, "reason": decision.reason})
+              description="Replicas the specserve policy asks for (reasons: the decision log).",
+              tag_keys=("pool",)).set(decision.replicas, tags={"pool": pool})
     except Exception:  # metrics are best effort; the decision stands
         pass
 

@@ -99,14 +99,52 @@ def apply_cpu_env(s: EngineSettings) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(s.kv_cache_gib))
 
 
+# The draft sink's settings (specserve.target.proposer, specserve.tls) are
+# environment variables with this prefix; vLLM's Ray executor copies only
+# VLLM_*-like variables to its workers unless told to copy more.
+SPECSERVE_ENV_PREFIX = "SPECSERVE_"
+
+
+def use_replica_placement_group(vllm_config) -> None:
+    """Let vLLM's Ray executor place the engine's TP workers in this Serve
+    replica's placement group, one per GPU bundle (what Ray Serve LLM does;
+    specserve.placement sizes the bundles).
+
+    The engine core runs in a child process that joins the cluster as a new
+    driver: without the group handed over in `parallel_config` it would make a
+    nested placement group of its own (ray#59064 / vllm#29688), and without
+    RAY_ADDRESS it would start a cluster of its own."""
+    import ray
+
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("the Ray executor needs the replica's placement group; run the "
+                           "target through deployments.app.build_app (placement_group_bundles)")
+    vllm_config.parallel_config.placement_group = pg
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    extra = os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "")
+    if SPECSERVE_ENV_PREFIX not in extra.split(","):
+        os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] = ",".join(
+            p for p in (extra, SPECSERVE_ENV_PREFIX) if p)
+
+
 def start_engine(args, **kwargs):
-    """AsyncLLM.from_engine_args, also returning the processes it started."""
+    """AsyncLLM from engine args, also returning the processes it started.
+
+    With the Ray executor (GPU targets in Serve) the workers go in the calling
+    replica's placement group (`use_replica_placement_group`)."""
     import psutil
     from vllm.v1.engine.async_llm import AsyncLLM
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    engine = AsyncLLM.from_engine_args(args, **kwargs)
+    if args.distributed_executor_backend == "ray":
+        vllm_config = args.create_engine_config()
+        use_replica_placement_group(vllm_config)
+        engine = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=args.disable_log_stats,
+                                           **kwargs)
+    else:
+        engine = AsyncLLM.from_engine_args(args, **kwargs)
     procs = [p for p in me.children(recursive=True)
              if p.pid not in before and not _is_resource_tracker(p)]
     return engine, procs
@@ -237,7 +275,8 @@ class TargetEngine:
               sink_bind: str = "127.0.0.1:0", sink_host: str = "127.0.0.1", tls=None,
               cpus: str | None = None, distributed_executor_backend: str | None = None,
               speculative_config: dict | None = None,
-              max_wait_ms: float = 0.0) -> "TargetEngine":
+              max_wait_ms: float = 0.0,
+              engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 
         k > 0: the remote-draft proposer with K drafted tokens per step, its sink
@@ -247,6 +286,9 @@ class TargetEngine:
         speculative_config: another vLLM speculative config instead of ours
           (the bench's co-located `draft_model` baseline); no sink then.
         max_wait_ms: the sink's bounded wait at most (SpeculationConfig.max_wait_ms).
+        engine_metrics: also export vLLM's own engine metrics (vllm:* as
+          ray_vllm_*, spec-decode counters included) through Ray's metrics
+          agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
         """
         from specserve.target.proposer import ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE
         from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
@@ -287,8 +329,13 @@ class TargetEngine:
         totals.step_observer = step_costs.add
         saved = _set_env(env)
         try:
+            loggers = [factory]
+            if engine_metrics:
+                from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+                loggers.append(RayPrometheusStatLogger)
             engine, procs = start_engine(engine_args(model, settings, **extra),
-                                         stat_loggers=[factory])
+                                         stat_loggers=loggers)
         finally:
             _set_env(saved)
         try:

@@ -6,7 +6,8 @@ rejects at install time what `specserve serve` would reject at load time
 (unknown keys, wrong types, out-of-range numbers; cross-field rules such as
 min <= max replicas are checked by AppConfig when the app starts). The other
 keys describe the Kubernetes side of the chart (image, head and worker groups,
-Service, monitoring, Grafana dashboard).
+Serve service, API key Secret, GCS fault tolerance, monitoring, Grafana
+dashboard); `global` is accepted so the chart works as a subchart.
 
 `make helm-schema` (python -m specserve.tools.chart) writes the file; a test checks
 the checked-in file equals what this generates.
@@ -65,6 +66,28 @@ def _pod_settings(what: str) -> dict:
                     "description": f"Extra volumes of the {what} pods (e.g. the models)."},
         "volumeMounts": {"type": "array", "items": {"type": "object"},
                          "description": "Where the container mounts them."},
+        "labels": {**_MAP_OF_STRINGS, "description": f"Extra labels of the {what} pods."},
+        "annotations": {**_MAP_OF_STRINGS,
+                        "description": f"Annotations of the {what} pods."},
+        "serviceAccountName": {"type": "string",
+                               "description": f"Service account of the {what} pods; "
+                                              "empty: the namespace's default."},
+        "securityContext": {"type": "object",
+                            "description": f"Pod securityContext of the {what} pods."},
+        "containerSecurityContext": {"type": "object",
+                                     "description": f"securityContext of the {what} "
+                                                    "container."},
+        "runtimeClassName": {"type": "string",
+                             "description": f"RuntimeClass of the {what} pods (e.g. nvidia); "
+                                            "empty: the cluster's default."},
+        "priorityClassName": {"type": "string",
+                              "description": f"PriorityClass of the {what} pods."},
+        "envFrom": {"type": "array", "items": {"type": "object"},
+                    "description": f"Environment of the {what} container from Secrets or "
+                                   "ConfigMaps (Kubernetes EnvFromSource objects)."},
+        "topologySpreadConstraints": {"type": "array", "items": {"type": "object"},
+                                      "description": f"How the {what} pods spread over "
+                                                     "zones or nodes."},
     }
 
 
@@ -97,7 +120,9 @@ def values_schema() -> dict:
             "specserve": app,
             "image": _obj({
                 "repository": {"type": "string", "minLength": 1},
-                "tag": {"type": "string", "description": "Empty: the chart's appVersion."},
+                "tag": {"type": "string", "description": "Empty: what Dockerfile.gpu / "
+                        "Dockerfile.cpu build, <appVersion>-gpu when a pool asks for GPUs, "
+                        "<appVersion>-cpu otherwise."},
                 "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
             }, "The image of every Ray pod: Ray with specserve installed.", ["repository"]),
             "imagePullSecrets": {"type": "array", "items": {"type": "object"}},
@@ -107,10 +132,8 @@ def values_schema() -> dict:
                 "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
                 "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
             }, "KubeRay's in-tree autoscaler (adds and removes worker pods)."),
-            "head": _obj({
-                **_pod_settings("head"),
-                "labels": _MAP_OF_STRINGS, "annotations": _MAP_OF_STRINGS,
-            }, "The Ray head pod (GCS, dashboard, Serve controller, router)."),
+            "head": _obj(_pod_settings("head"),
+                         "The Ray head pod (GCS, dashboard, Serve controller, router)."),
             "workerGroups": _obj({
                 "target": _worker_group("target", "tensor_parallel_size x gpus_per_worker",
                                         "specserve.target.replicas"),
@@ -121,17 +144,41 @@ def values_schema() -> dict:
                 "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                 "port": {"type": "integer", "minimum": 1, "maximum": 65535},
                 "annotations": _MAP_OF_STRINGS,
-            }, "The Service in front of Serve's HTTP proxies."),
+            }, "KubeRay's Serve service (spec.serveService) in front of the active cluster's "
+               "Serve proxies."),
+            "apiKey": _obj({
+                "existingSecret": {"type": "string",
+                                   "description": "Name of a Secret holding the API key."},
+                "secretKey": {"type": "string", "minLength": 1,
+                              "description": "The Secret's key holding the API key."},
+                "value": {"type": "string",
+                          "description": "The API key; the chart creates the Secret. Empty "
+                                         "(and no existingSecret): no authentication."},
+            }, "The API key clients must send, from a Secret: the Ray pods get it as "
+               "SPECSERVE_API_KEY (specserve.http.api_key_env); never in the RayService."),
+            "gcsFaultTolerance": _obj({
+                "enabled": {"type": "boolean"},
+                "redisAddress": {"type": "string", "description": "Redis host:port."},
+                "redisPasswordSecret": _nullable(_obj({
+                    "name": {"type": "string", "minLength": 1},
+                    "key": {"type": "string", "minLength": 1},
+                }, "Secret key holding Redis' password.", ["name", "key"])),
+            }, "GCS fault tolerance (KubeRay gcsFaultToleranceOptions) with an external Redis."),
+            "global": {"type": "object",
+                       "description": "Values a parent chart shares with its subcharts; "
+                                      "this chart reads none."},
             "monitoring": _obj({
-                "serviceMonitor": _obj({
+                "routerMonitor": _obj({
                     "enabled": {"type": "boolean"},
                     "interval": {"type": "string"},
                     "labels": _MAP_OF_STRINGS,
                     "bearerTokenSecret": _nullable(_obj({
                         "name": {"type": "string", "minLength": 1},
                         "key": {"type": "string", "minLength": 1},
-                    }, "Secret key holding specserve.http.api_key.", ["name", "key"])),
-                }, "A ServiceMonitor for the router's /metrics."),
+                    }, "Secret key holding the API key. Null: the apiKey Secret.",
+                        ["name", "key"])),
+                }, "A PodMonitor for the router's /metrics, through the head pod's proxy "
+                   "(once per Ray cluster)."),
                 "podMonitor": _obj({
                     "enabled": {"type": "boolean"},
                     "interval": {"type": "string"},

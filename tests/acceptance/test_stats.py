@@ -60,4 +60,13 @@ def test_goodput_target_live_figures_and_draft_lag():
     text = prometheus_text(s, now=60.0)
     assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
     assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
-    assert "specserve_goodput_tokens_per_second" in text
+    # Counters and histograms (since start): Prometheus takes rates and quantiles.
+    assert "specserve_goodput_tokens_total 11" in text
+    assert 'specserve_ttft_seconds_bucket{le="0.5"} 1' in text  # fast only
+    assert 'specserve_ttft_seconds_bucket{le="5"} 2' in text
+    assert 'specserve_ttft_seconds_bucket{le="+Inf"} 2' in text
+    assert "specserve_ttft_seconds_count 2" in text and "specserve_ttft_seconds_sum 3.5" in text
+    # TPOT: fast (1.0-0.5)/10 = 0.05 s, slow 0.1 s.
+    assert 'specserve_tpot_seconds_bucket{le="0.05"} 1' in text
+    assert 'specserve_tpot_seconds_bucket{le="0.1"} 2' in text
+    assert "per_second" not in text and "p50" not in text  # no unaggregatable gauges

@@ -279,3 +279,23 @@ def test_yaml_round_trip(tmp_path, source):
     path = tmp_path / "dumped.yaml"
     path.write_text(cfg.to_yaml())
     assert AppConfig.from_yaml(path) == cfg
+
+
+def test_api_key_from_an_environment_variable(monkeypatch):
+    from specserve.config import ConfigError, HttpConfig
+
+    http = HttpConfig(api_key_env="SPECSERVE_TEST_KEY")
+    monkeypatch.delenv("SPECSERVE_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="SPECSERVE_TEST_KEY is not set or empty"):
+        http.api_key_value()
+    monkeypatch.setenv("SPECSERVE_TEST_KEY", "s3cret")
+    assert http.api_key_value() == "s3cret"
+    assert HttpConfig(api_key="k").api_key_value() == "k"
+    assert HttpConfig().api_key_value() is None
+    with pytest.raises(ValueError, match="api_key or api_key_env, not both"):
+        HttpConfig(api_key="k", api_key_env="X")
+    with pytest.raises(ValueError, match="not an environment variable name"):
+        HttpConfig(api_key_env="MY-KEY")
+    # The CLI's --api-key replaces the variable.
+    cfg = AppConfig.model_validate({"http": {"api_key_env": "X"}}).with_overrides(api_key="k")
+    assert (cfg.http.api_key, cfg.http.api_key_env) == ("k", None)

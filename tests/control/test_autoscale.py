@@ -42,3 +42,24 @@ def test_serve_policy_functions_average_replicas_and_keep_the_reason():
     assert n == 1 and "idle" in state["reason"]
     n, state = target_policy(ctx({"load": {"a": 1.0}, "waiting": {"a": 2.0}}, name="target"))
     assert n == 2 and "queueing" in state["reason"]
+
+
+def test_desired_replicas_gauge_has_one_series_per_pool(monkeypatch):
+    """The reason (free text with figures) is no label: it would make a new
+    series for every decision; reasons go to the decision log."""
+    import ray.serve.metrics
+
+    from specserve.control import autoscale
+
+    made = []
+
+    class FakeGauge:
+        def __init__(self, name, description="", tag_keys=()):
+            made.append((name, tuple(tag_keys)))
+
+        def set(self, value, tags=None):
+            made.append((value, dict(tags or {})))
+
+    monkeypatch.setattr(ray.serve.metrics, "Gauge", FakeGauge)
+    autoscale._export("target", autoscale.Decision(3, "queueing: 4.2 waiting"))
+    assert made == [("specserve_autoscale_desired_replicas", ("pool",)), (3, {"pool": "target"})]

@@ -4,7 +4,9 @@ same figures as /v1/spec/stats (acceptance per draft and per position,
 coverage, K, tokens/s, TTFT/TPOT, replicas per pool, autoscaling decisions),
 and a screenshot is saved (also to out/dashboard.png for people to look at).
 /metrics carries every specserve_* metric the Grafana dashboard of the Helm
-chart queries, and the replica counts per pool."""
+chart queries, and the replica counts per pool; a real Prometheus (Debian's
+package, `make prometheus`) scrapes it, every dashboard expression over the
+router's metrics returns data, and the figures agree with /v1/spec/stats."""
 
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ def app(tiny_models, tmp_path_factory):
     # long delays keep Serve from acting on them (no second engine here).
     config["drafts"][0]["replicas"] = {"min_replicas": 1, "max_replicas": 2,
                                        "upscale_delay_s": 600, "downscale_delay_s": 600}
-    config["http"] = {"api_key": KEY}
+    # The key from an environment variable, as the Helm chart passes its Secret.
+    config["http"] = {"api_key_env": "SPECSERVE_TEST_API_KEY"}
     server = ServeProcess(config, tmp_path_factory.mktemp("dashboard"),
-                          env=SLOW_TARGET_ENV)
+                          env={**SLOW_TARGET_ENV, "SPECSERVE_TEST_API_KEY": KEY})
     try:
         deadline = time.monotonic() + 600
         while "specserve: serving" not in server.tail(10**7):
@@ -92,13 +95,13 @@ def test_stats_have_pools_and_autoscaling_decisions(app):
 
 
 def test_metrics_carry_what_grafana_queries(app):
-    from grafana import grafana_metric_names
+    from grafana import exposed_names, grafana_metric_names
 
     status, text = get(f"{app.url}/metrics", AUTH)
     assert status == 200
     assert re.search(r'^specserve_pool_replicas\{pool="target"\} 1$', text, re.M)
     assert re.search(r'^specserve_pool_replicas\{pool="same"\} 1$', text, re.M)
-    exported = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    exported = exposed_names(text)
     wanted = {m for m in grafana_metric_names() if not m.startswith("ray_")}
     assert wanted and wanted <= exported, sorted(wanted - exported)
 
@@ -219,3 +222,105 @@ def test_dashboard_shows_the_figures_of_the_stats(app, tmp_path):
         shutil.copy(shot, REPO / "out" / "dashboard.png")
     finally:
         driver.quit()
+
+
+PROMETHEUS = "/usr/bin/prometheus"
+
+
+def _grafana_to_promql(expr: str) -> str:
+    """A dashboard expression as Grafana sends it: its variables substituted
+    (all jobs and models; $__rate_interval at least 4 scrape intervals)."""
+    return (expr.replace("$__rate_interval", "30s").replace("$job", ".+")
+            .replace("$model", ".+"))
+
+
+def _query(url: str, expr: str) -> list:
+    import urllib.parse
+
+    status, body = get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+    assert status == 200 and body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_path):
+    import subprocess
+    import urllib.parse
+
+    import yaml
+
+    from grafana import grafana_expressions
+    from specserve.ports import free_port
+
+    assert shutil.which(PROMETHEUS), "Debian's prometheus package: make prometheus"
+    target = urllib.parse.urlparse(app.url).netloc
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "scrape_configs": [{"job_name": "specserve", "metrics_path": "/metrics",
+                                  "authorization": {"type": "Bearer", "credentials": KEY},
+                                  "static_configs": [{"targets": [target]}]}]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    check = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "prometheus.log", "w")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(url):
+            assert prom.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "prometheus.log").read_text()[-3000:]
+            time.sleep(1)
+        time.sleep(3)  # scrapes before the traffic below: rates have a start
+        for i in range(4):
+            status, body = post(f"{app.url}/v1/completions",
+                                {"model": "tiny", "prompt": f"Prometheus {i}", "max_tokens": 24,
+                                 "temperature": 0, "ignore_eos": True}, AUTH)
+            assert status == 200, body
+        time.sleep(4)  # scrapes after it
+        s = stats(app)
+        (up,) = _query(url, 'up{job="specserve"}')
+        assert up["value"][1] == "1"
+
+        # Every expression of the dashboard over the router's metrics has data.
+        # (ray_* series come from Ray's metrics agents, another scrape job.)
+        for expr in grafana_expressions():
+            if "ray_" in expr:
+                continue
+            assert _query(url, _grafana_to_promql(expr)), expr
+
+        # The counters Prometheus holds are /v1/spec/stats' totals.
+        (model,) = s["draft_models"]
+        for name, key in (("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")):
+            (got,) = _query(url, f'sum(specserve_{name}_total{{draft_model="same"}})')
+            assert float(got["value"][1]) == model[key], (name, model)
+        # ... and the acceptance-rate panel over the whole run is their ratio.
+        rate_expr = next(e for e in grafana_expressions() if e.startswith(
+            "sum by (draft_model) (rate(specserve_accepted_tokens_total"))
+        whole = _grafana_to_promql(rate_expr).replace("[30s]", "[10m]")
+        (panel,) = _query(url, whole)
+        before = _query(url, 'sum(specserve_accepted_tokens_total{draft_model="same"} offset 10m)')
+        assert not before  # the window holds every sample since the first scrape
+        first = {n: float(_query(url, f'min_over_time(sum(specserve_{n}_total'
+                                 f'{{draft_model="same"}})[10m:1s])')[0]["value"][1])
+                 for n in ("accepted_tokens", "draft_tokens")}
+        want = ((model["accepted_tokens"] - first["accepted_tokens"])
+                / (model["draft_tokens"] - first["draft_tokens"]))
+        assert float(panel["value"][1]) == pytest.approx(want, rel=1e-6)
+        # TTFT quantiles come from the router's histogram.
+        (p50,) = _query(url, "histogram_quantile(0.5, sum by (le) "
+                             "(specserve_ttft_seconds_bucket))")
+        assert 0 < float(p50["value"][1]) <= 10
+    finally:
+        prom.terminate()
+        prom.wait(30)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return get(f"{url}/-/ready", timeout=2)[0] == 200
+    except OSError:
+        return False

@@ -19,7 +19,6 @@ import ast
 import importlib
 import inspect
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,7 +27,8 @@ import yaml
 
 from specserve.config import AppConfig
 
-from grafana import PROMQL_FUNCTIONS, dashboard, grafana_expressions, grafana_metric_names, promql_metrics
+from grafana import (PROMQL_FUNCTIONS, dashboard, exposed_names, grafana_expressions,
+                     grafana_metric_names, promql_metrics)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specserve"
@@ -51,7 +51,8 @@ def gpu_values() -> dict:
 
 
 def render(values: dict | None = None) -> dict[str, dict]:
-    """kind -> object (each kind once in this chart), NOTES.txt under "NOTES"."""
+    """kind -> object, NOTES.txt under "NOTES"; a kind the chart renders twice
+    (the two PodMonitors) is keyed "kind/<name suffix after the fullname->"."""
     out: dict[str, dict] = {}
     for path, text in chart().render(values, name="spec", namespace="llm").items():
         if path.endswith("NOTES.txt"):
@@ -59,8 +60,11 @@ def render(values: dict | None = None) -> dict[str, dict]:
             continue
         for doc in yaml.safe_load_all(text):
             if doc:
-                assert doc["kind"] not in out, f"two {doc['kind']} objects"
-                out[doc["kind"]] = doc
+                key = doc["kind"]
+                if key == "PodMonitor":
+                    key = f"PodMonitor/{doc['metadata']['name'].rsplit('-', 1)[-1]}"
+                assert key not in out, f"two {key} objects"
+                out[key] = doc
     return out
 
 
@@ -162,10 +166,9 @@ def test_helm_lint_is_clean(values):
 
 def test_default_values_render_a_valid_cpu_deployment():
     objs = render()
-    assert set(objs) == {"RayService", "Service", "ConfigMap", "NOTES"}
+    assert set(objs) == {"RayService", "ConfigMap", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    validate_core(objs["Service"])
     validate_core(objs["ConfigMap"])
 
     serve_config, app = serve_app(rs)
@@ -191,11 +194,10 @@ def test_default_values_render_a_valid_cpu_deployment():
 
 def test_gpu_example_renders_gpu_groups_and_the_example_config():
     objs = render(gpu_values())
-    assert set(objs) == {"RayService", "Service", "ConfigMap", "ServiceMonitor", "PodMonitor",
+    assert set(objs) == {"RayService", "ConfigMap", "PodMonitor/router", "PodMonitor/ray",
                          "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    validate_core(objs["Service"])
     validate_core(objs["ConfigMap"])
 
     _, app = serve_app(rs)
@@ -209,6 +211,11 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 4)
     assert target["template"]["spec"]["nodeSelector"] == {
         "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    # Each group advertises its accelerator type as a Ray resource (what the
+    # bundles and draft actors ask for), so KubeRay's autoscaler can grow it.
+    for group, kind in ((target, "H100"), (draft, "L4")):
+        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
+            f"accelerator_type:{kind}": 1}
     # Draft replicas: one L4 each; both pools' bounds added up (2-8 and 1-4).
     assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert (draft["minReplicas"], draft["maxReplicas"]) == (3, 12)
@@ -226,24 +233,30 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
             in spec["tolerations"]
 
-    # The Service reaches the pods' Serve port; the monitors select what exists.
-    svc = objs["Service"]
-    assert svc["spec"]["type"] == "LoadBalancer"
-    pod_labels = target["template"]["metadata"]["labels"]
-    selector = {k: v for k, v in svc["spec"]["selector"].items() if k != "ray.io/serve"}
-    assert selector.items() <= pod_labels.items()
-    assert svc["spec"]["selector"]["ray.io/serve"] == "true"  # set by KubeRay on proxies
+    # KubeRay's own Serve service (it sets the selector to the active cluster's
+    # proxies); no Service of the chart's own duplicates it.
+    svc = rs["spec"]["serveService"]
+    assert svc["spec"]["type"] == "LoadBalancer" and "selector" not in svc["spec"]
+    validate_core({"apiVersion": "v1", "kind": "Service", **svc})
     (port,) = svc["spec"]["ports"]
     assert any(p["name"] == port["targetPort"] and p["containerPort"] == 8000
                for p in container(target)["ports"])
-    sm, pm = objs["ServiceMonitor"], objs["PodMonitor"]
-    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert sm["spec"]["endpoints"][0]["port"] == port["name"]
-    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # The router's /metrics once per cluster (the head's proxy); Ray's agents on
+    # every pod.
+    rm, pm = objs["PodMonitor/router"], objs["PodMonitor/ray"]
+    head_labels = head["template"]["metadata"]["labels"]
+    assert rm["spec"]["selector"]["matchLabels"].items() <= head_labels.items()
+    for name in ("target", "draft"):
+        assert not (rm["spec"]["selector"]["matchLabels"].items()
+                    <= g[name]["template"]["metadata"]["labels"].items())
+    (endpoint,) = rm["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert any(p["name"] == endpoint["port"] for p in container(head)["ports"])
+    pod_labels = target["template"]["metadata"]["labels"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert any(p["name"] == pm["spec"]["podMetricsEndpoints"][0]["port"]
                for p in container(draft)["ports"])
-    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert rm["metadata"]["labels"]["release"] == "prometheus"
 
     notes = objs["NOTES"]
     assert "/dashboard" in notes and "llama-3.1-70b-instruct" in notes
@@ -297,8 +310,8 @@ def test_values_schema_rejects_typos_and_bad_values():
             chart().render(bad, name="spec")
 
 
-def test_api_key_and_overrides_reach_the_serve_config():
-    values = {"specserve": {"http": {"api_key": "k3y", "port": 9000},
+def test_overrides_reach_the_serve_config():
+    values = {"specserve": {"http": {"port": 9000},
                             "speculation": {"num_speculative_tokens": 6, "lookahead": 12},
                             "target": {"engine": {"max_model_len": 4096}}},
               "workerGroups": {"target": {"gpus": 2, "minReplicas": 0, "maxReplicas": 3}}}
@@ -307,14 +320,117 @@ def test_api_key_and_overrides_reach_the_serve_config():
     check_rayservice(rs)
     serve_config, app = serve_app(rs)
     cfg = AppConfig.from_dict(app["args"])
-    assert cfg.http.api_key == "k3y" and cfg.http.port == 9000 and cfg.http.host == "0.0.0.0"
+    assert cfg.http.port == 9000 and cfg.http.host == "0.0.0.0"
     assert cfg.speculation.num_speculative_tokens == 6 and cfg.target.engine.max_model_len == 4096
     assert serve_config["http_options"]["port"] == 9000
     target = groups(rs)["target"]
     assert (target["minReplicas"], target["maxReplicas"]) == (0, 3)
     assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert {"name": "serve", "containerPort": 9000} in container(target)["ports"]
-    assert "Authorization: Bearer" in objs["NOTES"]
+    assert "Authorization: Bearer" not in objs["NOTES"]
+
+
+def _pods(rs: dict) -> list[dict]:
+    spec = rs["spec"]["rayClusterConfig"]
+    return [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+
+
+@pytest.mark.parametrize("api_key", [{"existingSecret": "my-key", "secretKey": "token"},
+                                     {"value": "k3y-s3cret"}])
+def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch):
+    values = {**gpu_values(), "apiKey": api_key}
+    objs = render(values)
+    rs = objs["RayService"]
+    check_rayservice(rs)
+    name = api_key.get("existingSecret", "spec-specserve-api-key")
+    key = api_key.get("secretKey", "api-key")
+    if "value" in api_key:
+        secret = objs["Secret"]
+        validate_core(secret)
+        assert secret["metadata"]["name"] == name
+        assert secret["stringData"] == {key: "k3y-s3cret"}
+        assert "k3y-s3cret" not in yaml.safe_dump(rs)
+    else:
+        assert "Secret" not in objs
+    _, app = serve_app(rs)
+    cfg = AppConfig.from_dict(app["args"])
+    assert cfg.http.api_key is None and cfg.http.api_key_env == "SPECSERVE_API_KEY"
+    # Every Ray pod can host the router: each gets the key from the Secret.
+    for pod in _pods(rs):
+        assert {"name": "SPECSERVE_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} in container(pod)["env"]
+    monkeypatch.setenv("SPECSERVE_API_KEY", "from-the-secret")
+    assert cfg.http.api_key_value() == "from-the-secret"
+    # Prometheus authenticates with the same Secret.
+    endpoint = objs["PodMonitor/router"]["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["authorization"]["credentials"] == {"name": name, "key": key}
+    assert "Authorization: Bearer $API_KEY" in objs["NOTES"]
+    assert f"get secret {name}" in objs["NOTES"]
+
+
+def test_a_plain_text_api_key_is_refused():
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmError, match="plain text.*apiKey.existingSecret"):
+        render({"specserve": {"http": {"api_key": "k3y"}}})
+
+
+def test_pod_settings_reach_every_group_and_the_chart_takes_global():
+    settings = {
+        "serviceAccountName": "specserve", "runtimeClassName": "nvidia",
+        "priorityClassName": "inference", "securityContext": {"fsGroup": 100},
+        "containerSecurityContext": {"allowPrivilegeEscalation": False},
+        "envFrom": [{"secretRef": {"name": "hf-token"}}],
+        "labels": {"team": "llm"}, "annotations": {"example.com/owner": "llm"},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {"team": "llm"}}}],
+    }
+    values = gpu_values()
+    values["global"] = {"imageRegistry": "ignored.example.com"}
+    values["head"] = {**values["head"], **settings}
+    for name in ("target", "draft"):
+        values["workerGroups"][name] = {**values["workerGroups"][name], **settings}
+    values["gcsFaultTolerance"] = {"enabled": True, "redisAddress": "redis:6379",
+                                   "redisPasswordSecret": {"name": "redis", "key": "password"}}
+    chart().validate_schema(values)
+    rs = render(values)["RayService"]
+    check_rayservice(rs)
+    for pod in _pods(rs):
+        t = pod["template"]
+        spec = t["spec"]
+        for k in ("serviceAccountName", "runtimeClassName", "priorityClassName",
+                  "securityContext", "topologySpreadConstraints"):
+            assert spec[k] == settings[k], k
+        assert container(pod)["securityContext"] == settings["containerSecurityContext"]
+        assert container(pod)["envFrom"] == settings["envFrom"]
+        assert t["metadata"]["labels"]["team"] == "llm"
+        assert t["metadata"]["annotations"] == settings["annotations"]
+    assert rs["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}}}
+
+
+@pytest.mark.parametrize("group, resources, message", [
+    ("target", {"limits": {"cpu": "15", "memory": "300Gi"}},
+     "cpu 15 is less than the 16 CPUs one target replica asks Ray for "
+     r"\(tensor_parallel_size 4 x resources per worker\)"),
+    ("target", {"limits": {"cpu": "16000m", "memory": "255Gi"}},
+     "memory 255Gi is less than the 256Gi"),
+    ("draft", {"limits": {"cpu": "3"}}, "cpu 3 is less than the 4 CPUs one draft replica "
+                                          r"asks Ray for \(draft llama-8b\)"),
+])
+def test_pods_too_small_for_their_replicas_fail_at_render(group, resources, message):
+    import helm_python as helm
+
+    values = gpu_values()
+    values["workerGroups"][group] = {**values["workerGroups"][group], "resources": resources}
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)
+    # Exactly enough renders.
+    values["workerGroups"][group]["resources"] = {
+        "limits": {"cpu": "16", "memory": "256Gi"} if group == "target" else {"cpu": "4"}}
+    render(values)
 
 
 def test_draft_group_adds_up_its_pools():
@@ -346,7 +462,7 @@ def exported_metric_names() -> set[str]:
     stats.current_k["d"] = 4
     text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
         pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)})))
-    names = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    names = exposed_names(text)
     suffixes = {"Counter": ("", "_total"), "Gauge": ("",),
                 "Histogram": ("_bucket", "_sum", "_count")}
     for path in [*(REPO / "specserve").rglob("*.py"), *(REPO / "deployments").rglob("*.py")]:

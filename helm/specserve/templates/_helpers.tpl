@@ -19,8 +19,11 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/* The image: image.tag, or what Dockerfile.gpu / Dockerfile.cpu build
+     (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise). */}}
 {{- define "specserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- $flavor := ternary "gpu" "cpu" (or (gt (include "specserve.targetGpus" . | int) 0) (gt (include "specserve.draftGpus" . | int) 0)) -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $flavor)) -}}
 {{- end -}}
 
 {{/* A replica-count bound of an AppConfig pool: (list replicasMapOrNil key), default 1. */}}
@@ -68,7 +71,71 @@ applications:
     route_prefix: /
     import_path: deployments.app:app_from_args
     args:
-      {{- toYaml .Values.specserve | nindent 6 }}
+      {{- toYaml (include "specserve.appConfig" . | fromYaml) | nindent 6 }}
+{{- end -}}
+
+{{/* The Secret holding the API key ("" without one). */}}
+{{- define "specserve.apiKeySecret" -}}
+{{- if .Values.apiKey.existingSecret -}}
+{{- .Values.apiKey.existingSecret -}}
+{{- else if .Values.apiKey.value -}}
+{{- printf "%s-api-key" (include "specserve.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.apiKeyEnv" -}}SPECSERVE_API_KEY{{- end -}}
+
+{{/* values.specserve as the app's args: with an API key Secret, the router
+     reads the key from SPECSERVE_API_KEY (http.api_key_env); a plain-text
+     http.api_key is refused, as it would be readable in the RayService. */}}
+{{- define "specserve.appConfig" -}}
+{{- $app := deepCopy .Values.specserve -}}
+{{- $http := $app.http | default dict -}}
+{{- if $http.api_key -}}
+{{- fail "specserve.http.api_key would be written in plain text into the RayService's serveConfigV2; put the key in a Secret: set apiKey.existingSecret (or apiKey.value) instead" -}}
+{{- end -}}
+{{- if include "specserve.apiKeySecret" . -}}
+{{- $_ := set $http "api_key_env" (include "specserve.apiKeyEnv" .) -}}
+{{- $_ := unset $http "api_key" -}}
+{{- $_ := set $app "http" $http -}}
+{{- end -}}
+{{- toYaml $app -}}
+{{- end -}}
+
+{{/* A Kubernetes CPU quantity in cores ("2", "500m", 1.5). */}}
+{{- define "specserve.cores" -}}
+{{- $q := toString . -}}
+{{- if hasSuffix "m" $q -}}{{- divf (trimSuffix "m" $q | float64) 1000.0 -}}
+{{- else -}}{{- $q | float64 -}}{{- end -}}
+{{- end -}}
+
+{{/* A Kubernetes memory quantity in GiB ("300Gi", "64G", "512Mi", bytes). */}}
+{{- define "specserve.gib" -}}
+{{- $q := toString . -}}
+{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "K" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 -}}
+{{- $bytes := 0.0 -}}
+{{- $done := false -}}
+{{- range $u := list "Ki" "Mi" "Gi" "Ti" "K" "M" "G" "T" -}}
+{{- if and (not $done) (hasSuffix $u $q) -}}
+{{- $bytes = mulf (trimSuffix $u $q | float64) (get $units $u) -}}
+{{- $done = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $done }}{{ $bytes = $q | float64 }}{{ end -}}
+{{- divf $bytes 1073741824.0 -}}
+{{- end -}}
+
+{{/* Fail when a pod cannot hold what its replicas ask Ray for:
+     (dict "ctx" $ "group" $values "name" "target" "cpus" N "gib" N). */}}
+{{- define "specserve.checkFit" -}}
+{{- $res := .group.resources | default dict -}}
+{{- $have := $res.limits | default ($res.requests | default dict) -}}
+{{- if and (hasKey $have "cpu") (gt (.cpus | float64) (include "specserve.cores" (get $have "cpu") | float64)) -}}
+{{- fail (printf "workerGroups.%s.resources: cpu %v is less than the %v CPUs one %s replica asks Ray for (%s); raise the pod's cpu or lower cpus_per_worker" .name (get $have "cpu") .cpus .name .why) -}}
+{{- end -}}
+{{- if and (gt (.gib | float64) 0.0) (hasKey $have "memory") (gt (.gib | float64) (include "specserve.gib" (get $have "memory") | float64)) -}}
+{{- fail (printf "workerGroups.%s.resources: memory %v is less than the %vGi one %s replica asks Ray for (%s); raise the pod's memory or lower memory_gib" .name (get $have "memory") .gib .name .why) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool). */}}
@@ -97,8 +164,25 @@ applications:
     - name: serve
       containerPort: {{ ($.Values.specserve.http | default dict).port | default 8000 | int }}
     - {name: metrics, containerPort: 8080}
-  {{- with $g.env }}
+  {{- $secret := include "specserve.apiKeySecret" $ }}
+  {{- if or $g.env $secret }}
   env:
+    {{- with $g.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- if $secret }}
+    # The router (on any pod) reads the API key from here (http.api_key_env).
+    - name: {{ include "specserve.apiKeyEnv" $ }}
+      valueFrom:
+        secretKeyRef: {name: {{ $secret }}, key: {{ $.Values.apiKey.secretKey }}}
+    {{- end }}
+  {{- end }}
+  {{- with $g.envFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.containerSecurityContext }}
+  securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   volumeMounts:
@@ -113,6 +197,23 @@ applications:
 {{- $ := .ctx -}}
 {{- with $.Values.imagePullSecrets }}
 imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .group.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .group.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .group.topologySpreadConstraints }}
+topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- with .group.nodeSelector }}
@@ -140,4 +241,19 @@ volumes:
 {{- $out := dict -}}
 {{- range $k, $v := . }}{{ $_ := set $out $k (toString $v) }}{{ end -}}
 {{- toYaml $out -}}
+{{- end -}}
+
+
+{{/* A group's rayStartParams with the accelerator types its pools ask for
+     advertised as Ray resources (accelerator_type:<T>), so KubeRay's
+     autoscaler knows which group to grow for a bundle that asks for one:
+     (dict "params" $groupParams "types" (list "H100")). Explicit params win. */}}
+{{- define "specserve.groupStartParams" -}}
+{{- $p := deepCopy (.params | default dict) -}}
+{{- if and .types (not (hasKey $p "resources")) -}}
+{{- $res := dict -}}
+{{- range .types }}{{ $_ := set $res (printf "accelerator_type:%s" .) 1 }}{{ end -}}
+{{- $_ := set $p "resources" (printf "%q" (toJson $res)) -}}
+{{- end -}}
+{{- include "specserve.rayStartParams" $p -}}
 {{- end -}}
