@@ -9,6 +9,7 @@ request; never aggregates (that is `report`) or schedules (that is `run`).
 - LocalBackend           target_only, specserve, specserve_synthetic (a LocalSpec);
 - VllmDraftModelBackend  vLLM's co-located speculative_config "draft_model";
 - HttpBackend            the whole Ray Serve app (`specserve serve`) over HTTP.
+- VllmServeBackend       vLLM's own OpenAI server, target only (vllm_serve.py).
 """
 
 from __future__ import annotations
@@ -272,6 +273,11 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
                     "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, lookahead=2 * a.k,
                                                      settings=s, replay=replay()), alpha)))
+        elif system == "vllm_serve":
+            from specserve.tools.bench.vllm_serve import VllmServeBackend
+
+            out.append((system, None, lambda: VllmServeBackend(a.target, a.draft, a.k, s,
+                                                               workdir / "vllm_serve")))
         elif system == "specserve_http":
             out.append((system, None, lambda: HttpBackend(a.target, a.draft, a.k, s, workdir)))
     return out

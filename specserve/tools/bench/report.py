@@ -79,12 +79,17 @@ def category_rows(system: str, concurrency: int, alpha: float | None,
 
 
 def add_comparisons(rows: list[dict]) -> None:
-    """Ratios against target_only and vllm_draft_model at the same concurrency,
-    and for synthetic rows the ideal speedup and the share of it reached."""
+    """Ratios against target_only, vllm_draft_model and (over HTTP) vllm_serve at
+    the same concurrency, and for synthetic rows the ideal speedup and the share
+    of it reached."""
     base = {r["concurrency"]: r for r in rows if r["system"] == "target_only"}
     vdm = {r["concurrency"]: r for r in rows if r["system"] == "vllm_draft_model"}
+    serve = {r["concurrency"]: r for r in rows if r["system"] == "vllm_serve"}
     for r in rows:
         b, v = base.get(r["concurrency"]), vdm.get(r["concurrency"])
+        vs = serve.get(r["concurrency"])
+        r["speedup_vs_vllm_serve"] = benchstats.ratio(
+            r["output_tokens_per_s"], vs and vs["output_tokens_per_s"])
         r["speedup_vs_target_only"] = benchstats.ratio(
             r["output_tokens_per_s"], b and b["output_tokens_per_s"])
         r["speedup_vs_vllm_draft_model"] = benchstats.ratio(
@@ -130,6 +135,7 @@ def pool(rounds: list[dict]) -> dict:
 TABLE = [("system", "system"), ("alpha", "α"), ("concurrency", "C"), ("k", "K"),
          ("output_tokens_per_s", "tok/s"), ("speedup_vs_target_only", "× target_only"),
          ("speedup_vs_vllm_draft_model", "× vllm_draft_model"),
+         ("speedup_vs_vllm_serve", "× vllm_serve"),
          ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
          ("ttft_p50_ms", "TTFT p50 ms"), ("acceptance_rate", "accepted/drafted"),
          ("conditional_acceptance", "cond. acceptance"),

@@ -12,6 +12,9 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
                       (LocalSpec), with adaptive K (specserve/control/controller.py);
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
+- vllm_serve          vLLM's own OpenAI server on the target alone, same
+                      engine settings, same streaming client as specserve_http
+                      (specserve/tools/bench/vllm_serve.py): the HTTP baseline;
 - specserve_http      the whole Ray Serve app (`specserve serve` in a
                       subprocess) over HTTP with streaming chat completions.
 
@@ -88,7 +91,7 @@ async def run_level(backend, prompts: list[Prompt], concurrency: int, params: di
 async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: dict | None):
     """All concurrency levels on one started backend: (rows, category rows, mismatches)."""
     rows, cats, mismatches, first = [], [], [], None
-    speculative = backend.system != "target_only"
+    speculative = backend.system not in ("target_only", "vllm_serve")
     for c in a.concurrency:
         await backend.generate(prompts[0], {**params, "max_tokens": min(8, a.max_tokens)})
         before = backend.counters()

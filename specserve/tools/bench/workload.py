@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 SYSTEMS = ("target_only", "vllm_draft_model", "specserve", "specserve_synthetic",
-           "specserve_http")
+           "vllm_serve", "specserve_http")
 SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
 
 

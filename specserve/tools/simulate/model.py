@@ -65,7 +65,7 @@ from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
-    """p50/p90/p99 (the bench's percentile); NaN where there are no values."""
+    """p50/p90/p99 (the one percentile, acceptance.record); NaN where there are no values."""
     return {f"p{q}": (percentile(values, q) if values else math.nan) for q in (50, 90, 99)}
 
 
