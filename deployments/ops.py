@@ -120,24 +120,31 @@ class OpsViews:
         # pool's active drafting requests; vLLM's engine-wide counters of that
         # replica cross-check the per-request attribution above.
         snap["router_inflight"] = sum(c.inflight.values())
-        (snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"],
-         counters) = await asyncio.gather(
+        snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"] = (
+            await asyncio.gather(
                 _within(self.target.spec_totals.remote(), "a target replica"),
                 _within(self.target.draft_active.remote(), "a target replica"),
                 self.pool_rows(),
-                _within(self._decisions(), "the autoscaler"),
-                _within(self.target.branch_counters.remote(), "a target replica"))
+                _within(self._decisions(), "the autoscaler")))
         # The step after a rejection, per draft replica, from the target's draft
-        # book (specserve.acceptance.branches): branch hit rate, coverage after an
-        # accepted step vs after a rejection, wait per step.
+        # book (specserve.acceptance.branches): branch hit rate, coverage after
+        # an accepted step vs after a rejection, wait per step.
+        counters = await self._branch_counters()
         snap["branches"] = ({d: branches.figures(c) for d, c in sorted(counters.items())}
                             if isinstance(counters, dict) else counters)
         return snap
 
+    async def _branch_counters(self):
+        """The target's draft-book counters per draft, or "unavailable: ..."."""
+        method = getattr(self.target, "branch_counters", None)
+        if method is None:
+            return "unavailable: the target replica reports no draft-book counters"
+        return await _within(method.remote(), "a target replica")
+
     async def metrics_text(self) -> str:
         text = prometheus_text(self.stats, time.time())
         text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
-        counters = await _within(self.target.branch_counters.remote(), "a target replica")
+        counters = await self._branch_counters()
         if isinstance(counters, dict):
             text += "\n".join(branches.prometheus_lines(counters)) + "\n"
         return text
