@@ -53,7 +53,8 @@ def build_app(cfg: AppConfig):
             health_check_period_s=10,
             **_scaling(d.replicas, "draft_policy"),
         ).bind(d.model_dump(mode="json"), cfg.target.tensor_parallel_size,
-               cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None)
+               cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None,
+               cfg.speculation.model_dump(mode="json"))
 
     t = cfg.target
     tp = t.tensor_parallel_size

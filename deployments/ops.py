@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 
+from specserve.acceptance import branches
 from specserve.acceptance.prometheus import prometheus_text
 from specserve.acceptance.stats import RequestRecord, SpecStats
 from specserve.control import pools
@@ -119,17 +120,27 @@ class OpsViews:
         # pool's active drafting requests; vLLM's engine-wide counters of that
         # replica cross-check the per-request attribution above.
         snap["router_inflight"] = sum(c.inflight.values())
-        snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"] = (
-            await asyncio.gather(
+        (snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"],
+         counters) = await asyncio.gather(
                 _within(self.target.spec_totals.remote(), "a target replica"),
                 _within(self.target.draft_active.remote(), "a target replica"),
                 self.pool_rows(),
-                _within(self._decisions(), "the autoscaler")))
+                _within(self._decisions(), "the autoscaler"),
+                _within(self.target.branch_counters.remote(), "a target replica"))
+        # The step after a rejection, per draft replica, from the target's draft
+        # book (specserve.acceptance.branches): branch hit rate, coverage after an
+        # accepted step vs after a rejection, wait per step.
+        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(counters.items())}
+                            if isinstance(counters, dict) else counters)
         return snap
 
     async def metrics_text(self) -> str:
         text = prometheus_text(self.stats, time.time())
-        return text + "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
+        text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
+        counters = await _within(self.target.branch_counters.remote(), "a target replica")
+        if isinstance(counters, dict):
+            text += "\n".join(branches.prometheus_lines(counters)) + "\n"
+        return text
 
 
 def _serve_deployments() -> dict:

@@ -55,7 +55,8 @@ class TargetServer:
         self.target = TargetEngine.start(
             self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
             sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
-            tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus)
+            tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
+            max_wait_ms=self.config.speculation.max_wait_ms)
         # The engine, its counters and its measured decode step cost (a + b ·
         # tokens), which the router's K choice reads through spec_totals.
         self.engine, self.totals = self.target.engine, self.target.totals
@@ -139,6 +140,30 @@ class TargetServer:
                 "running": t.running,
                 # measured decode step cost, None until enough steps were seen
                 "step_cost": self.step_costs.as_dict()}
+
+    async def branch_counters(self) -> dict:
+        """The sink's draft-book counters per draft ("model/replica"): branches,
+        coverage after each outcome, the bounded wait (specserve.acceptance.branches)."""
+        if self.sink_address is None:
+            return {}
+        import grpc
+
+        from specserve.draft.link import _channel_factory
+        from specserve.tls import TlsFiles
+        from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+        port = self.sink_address.rsplit(":", 1)[1]
+        channel = _channel_factory(TlsFiles.from_config(self.config.grpc_tls))(f"127.0.0.1:{port}")
+        try:
+            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
+                                                                   timeout=10)
+        except grpc.aio.AioRpcError as e:
+            log.warning("sink stats unavailable: %s", e.code().name)
+            return {}
+        finally:
+            await channel.close()
+        return {d.draft: {**dict(d.counters), "waits": d.waits, "wait_seconds": d.wait_seconds,
+                          "steps": d.steps} for d in msg.drafts}
 
     async def draft_active(self) -> dict:
         """Requests each draft pool is drafting for now (from one replica of each)."""

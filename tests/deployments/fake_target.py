@@ -64,6 +64,7 @@ class FakeTarget:
         self.ready = FakeRemote(True, hang=not ready)
         self.spec_totals = FakeRemote(lambda: {"step_cost": step_cost, "draft_tokens": 0})
         self.draft_active = FakeRemote({})
+        self.branch_counters = FakeRemote({})
 
     def options(self, stream=False):
         assert stream

@@ -181,7 +181,7 @@ def test_ops_views_answer_at_once_without_a_target_replica(monkeypatch):
 
     async def go():
         target = FakeTarget(ready=False)
-        target.spec_totals.hang = target.draft_active.hang = True
+        target.spec_totals.hang = target.draft_active.hang = target.branch_counters.hang = True
         r = router(target)
         r.ops._serve_status = lambda: {}  # no Ray here: Serve's status and the
         r.ops._decisions = target.spec_totals.remote  # autoscaler are stand-ins (hanging)

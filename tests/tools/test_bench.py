@@ -72,6 +72,15 @@ def test_summarize_rows_and_comparisons():
     assert syn["verify_step_cost"] == pytest.approx(cost)
     assert syn["ideal_speedup"] == pytest.approx(benchstats.expected_tokens(0.8, 4) / cost)
     assert syn["share_of_ideal"] == pytest.approx(2.0 / syn["ideal_speedup"])
+    # Without a draft delay a co-located draft could reach the ideal; with one
+    # of D per draft step, K of them come before every verify step.
+    assert syn["colocated_bound"] == pytest.approx(syn["ideal_speedup"])
+    syn["synthetic_delay_ms"] = 25.0
+    report.add_comparisons(rows)
+    tpot0 = base["tpot_mean_ms"]
+    assert syn["colocated_bound"] == pytest.approx(
+        benchstats.expected_tokens(0.8, 4) / (cost + 4 * 25.0 / tpot0))
+    assert syn["share_of_colocated"] == pytest.approx(2.0 / syn["colocated_bound"])
 
 
 def test_category_rows_and_pooling():

@@ -82,4 +82,5 @@ class BenchArgs:
     seed: int = 0
     ignore_eos: bool = True
     synthetic_delay_ms: float = 0.0
+    synthetic_recovery_hit: float = 0.6
 
