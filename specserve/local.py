@@ -33,7 +33,7 @@ import grpc
 from specserve.acceptance.record import Acceptance, Figures
 from specserve.config import lookahead_problem
 from specserve.target.engine import EngineSettings, SpecTotals, TargetEngine, cpu_binding
-from specserve.tools.serveproc import free_port
+from specserve.ports import free_port
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
