@@ -45,7 +45,8 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
             health_check_period_s=10,
             **_scaling(d.replicas, "draft_policy"),
         ).bind(d.model_dump(mode="json"), cfg.target.tensor_parallel_size,
-               cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None)
+               cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None,
+               cfg.speculation.model_dump(mode="json"))
 
     t = cfg.target
     # One bundle per TP worker; the replica actor lives in bundle 0 and takes no

@@ -26,7 +26,10 @@ SINK_LOST_S = 30.0
 
 
 class DraftServer:
-    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
+    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None,
+                 speculation: dict | None = None):
+        from specserve.config import SpeculationConfig
+        from specserve.draft.runner import BranchPlan
         from specserve.draft.worker import DraftWorker
         from specserve.target.engine import cpu_binding, settings_from
         from specserve.tls import TlsFiles
@@ -35,8 +38,15 @@ class DraftServer:
         logs.to_stderr("draft")
         os.environ.update(self.config.resources.env)
         _, draft_cpus = cpu_binding(target_tp)
+        spec = SpeculationConfig.model_validate(speculation or {})
+        # Pre-drafted outcomes: top-F alternatives from the engine's logprobs,
+        # continued as batched engine requests (cheap on an accelerator).
+        plan = BranchPlan(spec.branch_fan_out, spec.branch_budget, spec.branch_tokens(),
+                          positions=spec.num_speculative_tokens + 1)
         self.worker = DraftWorker.start(self.config.model, settings_from(self.config.engine),
-                                        tls=TlsFiles.from_config(grpc_tls), cpus=draft_cpus)
+                                        tls=TlsFiles.from_config(grpc_tls), cpus=draft_cpus,
+                                        branches=plan,
+                                        name=f"{self.config.name}/{replica_name()}")
         self.runner = self.worker.runner
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,

@@ -1,11 +1,23 @@
-"""Router: the HTTP ingress (OpenAI API) in front of the target and draft pools.
+"""Router: the HTTP ingress in front of the target and draft pools.
 
 A plain class; `deployments.app.build_app` makes it the Serve ingress. It owns
-the edge: authentication, request parsing and validation (through the pure
-`specserve.openai_api`), tokenization (once, here), the choice of draft pool,
-and turning the target's token stream into OpenAI responses or SSE; and the ops
-views (/v1/spec/stats, /metrics, the /dashboard page). Bad input
-gets a 4xx with an OpenAI-style error body; nothing here can crash the app.
+the edge and nothing of the OpenAI protocol: authentication, the body-size
+limit, the choice of draft pool and K for each request (`deployments.choice`),
+forwarding the request as it came to a target replica (which answers with
+vLLM's own OpenAI server, `deployments.target.TargetServer.http`) and passing
+its response (JSON or SSE) back, and feeding the acceptance record with the
+per-sequence records the target sends after the body. /healthz is 200 only
+when a target replica can serve. The ops views (/v1/spec/stats, /metrics,
+/dashboard) are `deployments.ops`'s. Router errors have OpenAI-style bodies;
+nothing here can crash the app.
+
+The request path, numbered as below in `_forward`:
+  1. read the body (at most http.max_body_bytes; a larger one is drained, up
+     to a bound, and answered 413 so the client can read the answer);
+  2. choose the draft pool and K (generation routes only);
+  3. call a target replica (retried once if the replica died before answering);
+  4. pass the response back; the records after the body go to the ops views;
+     the in-flight slot is released once, however the response ends.
 """
 
 from __future__ import annotations
@@ -13,102 +25,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import uuid
 
-from specserve import openai_api as api
-from specserve.control import policy
-from specserve.control import pools
+from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
-from specserve.acceptance.prometheus import prometheus_text
-from specserve.acceptance.stats import RequestRecord, SpecStats
-from specserve.control.controller import KController
+from specserve.openai_api import ApiError
+
+from deployments.choice import DraftChoice
+from deployments.ops import OpsViews, ServeMetrics, dashboard_page
 
 log = logging.getLogger("specserve.router")
-
-
-class ServeMetrics:
-    """The same figures as ray.serve.metrics (exported by Ray's metrics agent
-    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics."""
-
-    def __init__(self):
-        from ray.serve.metrics import Counter, Histogram
-
-        tags = ("draft_model", "draft_replica")
-        self.draft_tokens = Counter("specserve_draft_tokens", tag_keys=tags,
-                                    description="Drafted tokens the target verified.")
-        self.accepted_tokens = Counter("specserve_accepted_tokens", tag_keys=tags,
-                                       description="Drafted tokens the target accepted.")
-        self.output_tokens = Counter("specserve_output_tokens", tag_keys=tags,
-                                     description="Tokens emitted to clients.")
-        self.ttft = Histogram("specserve_ttft_seconds", description="Time to first token.",
-                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10])
-        self.tpot = Histogram("specserve_tpot_seconds", description="Time per output token.",
-                              boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
-
-    def observe(self, report, ttft: float, duration: float) -> None:
-        tags = {"draft_model": report.draft_model or "none",
-                "draft_replica": report.draft_replica or "none"}
-        a = report.acceptance
-        output_tokens = a.output_tokens
-        for counter, value in ((self.draft_tokens, a.draft_tokens),
-                               (self.accepted_tokens, a.accepted_tokens),
-                               (self.output_tokens, output_tokens)):
-            if value > 0:  # Ray's counters refuse increments of 0
-                counter.inc(value, tags=tags)
-        self.ttft.observe(ttft)
-        if output_tokens > 1:
-            self.tpot.observe((duration - ttft) / (output_tokens - 1))
-
-
-def _dashboard_page():
-    """The ops page (static HTML + JS shipped in the package, no outside CDN)."""
-    from importlib.resources import files
-
-    from starlette.responses import HTMLResponse
-
-    return HTMLResponse(files("specserve.dashboard").joinpath("index.html").read_text("utf-8"),
-                        headers={"Cache-Control": "no-cache"})
-
-
-def _streaming_response(events, release):
-    """SSE response that runs `release` once, however the stream ends.
-
-    The events generator's own `finally` is not enough: when the client goes
-    away before the body starts, Starlette cancels the response before it ever
-    iterates the generator, and a generator that never started never runs its
-    `finally`. So `release` also runs when the response's ASGI call ends, and,
-    should the response never be called at all (the request was cancelled
-    between returning it and sending it), when the response is collected."""
-    import asyncio
-    import weakref
-
-    from starlette.responses import StreamingResponse
-
-    class _Response(StreamingResponse):
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                release()
-
-    response = _Response(events, media_type="text/event-stream")
-    loop = asyncio.get_running_loop()
-
-    def collected():  # may run on any thread: hand over to the router's loop
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(release)
-
-    weakref.finalize(response, collected)
-    return response
-
-
-# How old the router's copy of the target's measured step cost may get.
-COST_REFRESH_S = 2.0
 
 # A request whose target replica dies before anything reached the client is
 # run again (Serve routes it to a live replica, or waits for the restarted one).
 TARGET_ATTEMPTS = 2
+
+# /healthz waits this long for a target replica to say its engine is up.
+HEALTH_WAIT_S = 5.0
+
+# Routes answered by the target replica's vLLM server; True: generation (drafts).
+FORWARDED = {
+    ("POST", "/v1/completions"): True,
+    ("POST", "/v1/chat/completions"): True,
+    ("POST", "/tokenize"): False,
+    ("POST", "/detokenize"): False,
+    ("GET", "/v1/models"): False,
+}
+
+# Request headers that describe this hop, not the request.
+_HOP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                "proxy-authorization", "authorization", "content-length"}
+_HOP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
 
 
 def _replica_failed(e: BaseException) -> bool:
@@ -118,10 +64,29 @@ def _replica_failed(e: BaseException) -> bool:
     return isinstance(e, RayActorError)
 
 
-def _target_failed(e: BaseException) -> api.ApiError:
-    return api.ApiError(503, "the target replica serving this request failed "
-                             f"({type(e).__name__}); retry the request",
-                        type="server_error", code="target_unavailable")
+def _target_failed(e: BaseException) -> ApiError:
+    return ApiError(503, "the target replica serving this request failed "
+                         f"({type(e).__name__}); retry the request",
+                    type="server_error", code="target_unavailable")
+
+
+def _openai_error_shape(body: bytes, status: int) -> bytes:
+    """An error body in OpenAI's shape. vLLM's server answers almost every error
+    so, but a few come from the web framework as {"detail": ...} (a body that
+    is not UTF-8, for one); those are rewrapped, the rest pass unchanged."""
+    if status < 400:
+        return body
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return body
+    detail = data.get("detail") if isinstance(data, dict) else None
+    message = detail if isinstance(detail, str) else body.decode("utf-8", "replace")[:500]
+    return json.dumps(ApiError(status, message or f"HTTP {status}",
+                               type="invalid_request_error" if status < 500
+                               else "server_error").body()).encode()
 
 
 class _Once:
@@ -136,118 +101,90 @@ class _Once:
             fn()
 
 
-def _json(body: dict, status: int = 200):
+def _json(body: dict, status: int = 200, headers: dict | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def streaming_response(events, release, status: int = 200, headers: dict | None = None):
+    """Streaming response that runs `release` once, however the stream ends.
+
+    The events generator's own `finally` is not enough: when the client goes
+    away before the body starts, Starlette cancels the response before it ever
+    iterates the generator, and a generator that never started never runs its
+    `finally`. So `release` also runs when the response's ASGI call ends, and,
+    should the response never be called at all (the request was cancelled
+    between returning it and sending it), when the response is collected."""
+    import weakref
+
+    from starlette.responses import StreamingResponse
+
+    class _Response(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                release()
+
+    response = _Response(events, status_code=status, headers=headers)
+    loop = asyncio.get_running_loop()
+
+    def collected():  # may run on any thread: hand over to the router's loop
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(release)
+
+    weakref.finalize(response, collected)
+    return response
 
 
 class Router:
-    def __init__(self, config: dict, target, draft_names: list[str]):
-        from transformers import AutoConfig, AutoTokenizer
-
-        from specserve.models import ensure_default_model
-
+    def __init__(self, config: dict, target, draft_names: list[str],
+                 serve_metrics: bool = True):
+        """target: the target deployment's handle; serve_metrics: also export
+        the figures as Ray Serve metrics (needs Ray)."""
         self.config = AppConfig.model_validate(config)
         self.target = target
-        self.draft_names = list(draft_names)
-        model_dir = self.config.target.model or str(ensure_default_model())
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        hf = AutoConfig.from_pretrained(model_dir)
-        self.max_model_len = (self.config.target.engine.max_model_len
-                              or getattr(hf, "max_position_embeddings", None) or 2048)
-        self.model_name = self.config.target.served_name()
         self.api_key = self.config.http.api_key_value()  # api_key_env: from a Secret
         self.max_body = self.config.http.max_body_bytes
-        self.k_max = self.config.speculation.num_speculative_tokens
-        self.stats = SpecStats(self.k_max)
-        self.inflight: dict[str | None, int] = {}
+        self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
+        self.choice = DraftChoice(self.config, target, draft_names, self.stats)
         t = self.config.target
-        self.capacity = max(t.replicas.max_replicas, 1) * t.engine.max_num_seqs
-        self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in self.config.drafts}
-        self.controller = KController(self.k_max, self.replicas,
-                                      self.config.speculation.k_control.thresholds())
-        self.metrics = ServeMetrics()
-        self.bounds = {"target": (t.replicas.min_replicas, t.replicas.max_replicas),
-                       **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
-                          for d in self.config.drafts}}
-        self._pools: tuple[float, list[dict]] = (0.0, [])
-        self.target_replicas = max(t.replicas.max_replicas, 1)
-        # The target's measured step cost (from spec_totals), refreshed in the
-        # background at most every COST_REFRESH_S: no remote call per request.
-        self._cost: tuple[float, dict | None] = (float("-inf"), None)
-        self._cost_task: asyncio.Task | None = None
+        bounds = {"target": (t.replicas.min_replicas, t.replicas.max_replicas),
+                  **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
+                     for d in self.config.drafts}}
+        self.ops = OpsViews(self.stats, self.choice, target, bounds,
+                            metrics=ServeMetrics() if serve_metrics else None)
 
     async def __call__(self, request):
         try:
             self._authorize(request)
             route = (request.method, request.url.path.rstrip("/") or "/")
             if route == ("GET", "/healthz"):
-                return _json({"status": "ok"})
+                return await self._health()
             if route == ("GET", "/dashboard"):
-                return _dashboard_page()
-            if route == ("GET", "/v1/models"):
-                return _json(api.models_response([self.model_name]))
+                return dashboard_page()
             if route == ("GET", "/v1/spec/stats"):
-                snap = self.stats.snapshot(time.time())
-                snap["load"] = self.load()
-                last = self.controller.last
-                snap["last_choice"] = last.reason if last else None
-                # vLLM's engine-wide counters of the target replica that answers,
-                # to cross-check the per-request attribution above.
-                snap["target_engine"] = await self.target.spec_totals.remote()
-                # What the K choice last used: the target's measured step cost
-                # (or the load model until it is measured), rows, per-pool K.
-                snap["k_choice"] = self.controller.inputs
-                snap["pools"] = await self.pool_rows()
-                snap["autoscaling"] = await pools.fetch()
-                # Slots held right now: router requests in flight, and (from the
-                # target replica that answers) its engine's unfinished requests
-                # and each draft pool's active drafting requests.
-                snap["router_inflight"] = sum(self.inflight.values())
-                snap["draft_active"] = await self.target.draft_active.remote()
-                return _json(snap)
+                return _json(await self.ops.stats_json())
             if route == ("GET", "/metrics"):
                 from starlette.responses import PlainTextResponse
 
-                text = prometheus_text(self.stats, time.time())
-                text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
-                return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-            if route == ("POST", "/v1/completions"):
-                return await self._complete("completion", request)
-            if route == ("POST", "/v1/chat/completions"):
-                return await self._complete("chat", request)
-            raise api.ApiError(404, f"no route for {request.method} {request.url.path}",
-                               code="not_found")
-        except api.ApiError as e:
-            return _json(e.body(), e.status)
+                return PlainTextResponse(await self.ops.metrics_text(),
+                                         media_type="text/plain; version=0.0.4")
+            if route in FORWARDED:
+                return await self._forward(request, generates=FORWARDED[route])
+            raise ApiError(404, f"no route for {request.method} {request.url.path}",
+                           code="not_found")
+        except ApiError as e:
+            headers = {"Connection": "close"} if e.status == 413 else None
+            return _json(e.body(), e.status, headers)
         except Exception as e:
             if _replica_failed(e):
                 log.warning("target replica failed: %s", e)
                 return _json(_target_failed(e).body(), 503)
             log.exception("request failed")
-            return _json(api.ApiError(500, "internal error; see the server log",
-                                      type="server_error").body(), 500)
-
-    async def pool_rows(self) -> list[dict]:
-        """Replica counts per pool from Serve's status (cached for 2 s)."""
-        at, rows = self._pools
-        if time.monotonic() - at < 2.0:
-            return rows
-        from ray import serve
-
-        try:
-            app = serve.get_replica_context().app_name
-            status = (await asyncio.to_thread(serve.status)).applications.get(app)
-            deployments = {name: {getattr(s, "value", str(s)): n
-                                  for s, n in d.replica_states.items()}
-                           for name, d in (status.deployments.items() if status else ())}
-        except Exception as e:  # the figures are for people; never fail a request
-            log.warning("serve status unavailable: %s", e)
-            deployments = {}
-        rows = pools.replica_counts(deployments, self.bounds)
-        self._pools = (time.monotonic(), rows)
-        return rows
+            return _json(ApiError(500, "internal error; see the server log",
+                                  type="server_error").body(), 500)
 
     def _authorize(self, request) -> None:
         # The dashboard page holds no figures (it asks for the key and sends
@@ -255,168 +192,120 @@ class Router:
         if self.api_key is None or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
             return
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-            raise api.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               type="authentication_error", code="invalid_api_key")
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _health(self):
+        """200 once a target replica's engine answers; 503 (with why) until then."""
+        try:
+            await asyncio.wait_for(self.target.ready.remote(), HEALTH_WAIT_S)
+        except Exception as e:
+            why = ("no target replica answered within "
+                   f"{HEALTH_WAIT_S:g} s" if isinstance(e, asyncio.TimeoutError)
+                   else f"the target replica is not ready ({type(e).__name__})")
+            return _json(ApiError(503, why, type="server_error",
+                                  code="target_unavailable").body(), 503)
+        return _json({"status": "ok"})
 
     async def _read_body(self, request) -> bytes:
+        """The body, at most max_body bytes. A larger one is read on (and
+        dropped) up to 4x the limit, so the client has sent it all and reads
+        the 413 (a server that answers mid-upload makes many clients see a
+        reset connection instead); past that the connection is closed."""
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_body:
-            raise api.ApiError(413, f"request body over {self.max_body} bytes")
-        body = b""
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
+        body, seen = bytearray(), 0
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body:
-                raise api.ApiError(413, f"request body over {self.max_body} bytes")
-        return body
-
-    def _prompt_ids(self, req) -> list[int]:
-        if isinstance(req, api.ChatCompletionRequest):
-            ids = self.tokenizer.apply_chat_template(
-                req.message_dicts(), add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
-        return list(self.tokenizer(req.prompt)["input_ids"])
-
-    def load(self) -> float:
-        """Share of the target pool's sequence slots in use (0..1)."""
-        return min(sum(self.inflight.values()) / self.capacity, 1.0)
-
-    def step_cost(self) -> dict | None:
-        """The target's measured decode step cost ({"fixed_s", "per_token_s", "steps"}
-        from spec_totals; None until measured), as last fetched. A fetch older than
-        COST_REFRESH_S starts a refresh in the background; this request does not wait."""
-        at, cost = self._cost
-        if (time.monotonic() - at >= COST_REFRESH_S
-                and (self._cost_task is None or self._cost_task.done())):
-            self._cost_task = asyncio.get_running_loop().create_task(self._refresh_cost())
-        return cost
-
-    async def _refresh_cost(self) -> None:
-        cost = self._cost[1]
-        try:
-            totals = await asyncio.wait_for(self.target.spec_totals.remote(), 10)
-            cost = totals.get("step_cost")
-        except Exception as e:  # the K choice falls back to the last figures
-            log.warning("target step cost unavailable: %s", e)
-        self._cost = (time.monotonic(), cost)
-
-    def choose_draft(self) -> policy.Choice:
-        """Draft pool and K for the next request (the K controller), from measured
-        acceptance, coverage and the target's measured step cost (modelled from
-        load until the target has measured it)."""
-        measured = self.step_cost()
-        cost = (policy.StepCost(measured["fixed_s"], measured["per_token_s"])
-                if measured is not None else None)
-        # decode rows per target replica, this request included
-        rows = (sum(self.inflight.values()) + 1) / self.target_replicas
-        choice = self.controller.choose(self.stats.by_model, self.inflight, self.load(),
-                                        cost, rows)
-        self.stats.current_k.update(self.controller.current_k)
-        return choice
-
-    async def _complete(self, kind: str, request):
-        raw = await self._read_body(request)
-        req = api.parse_request(kind, raw, [self.model_name])
-        prompt_ids = self._prompt_ids(req)
-        max_tokens = api.effective_max_tokens(req, len(prompt_ids), self.max_model_len)
-        api.check_context(len(prompt_ids), max_tokens, self.max_model_len)
-        params = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos}
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        started = time.monotonic()
-        choice = self.choose_draft()
-        self.inflight[choice.pool] = self.inflight.get(choice.pool, 0) + 1
-        streaming = False
-        try:
-            for attempt in range(1, TARGET_ATTEMPTS + 1):
-                try:
-                    # a fresh engine id per attempt: the dead replica's drafts may linger
-                    response = await self._run(kind, req, rid, prompt_ids, params, choice,
-                                               started, rid if attempt == 1 else f"{rid}-{attempt}")
+            seen += len(chunk)
+            if seen > self.max_body:
+                too_big = True
+            if too_big:
+                body.clear()
+                if seen > 4 * self.max_body:
                     break
-                except Exception as e:  # nothing was sent to the client yet
-                    if not _replica_failed(e) or attempt == TARGET_ATTEMPTS:
-                        raise
-                    log.warning("target replica failed before %s answered (%s); retrying",
-                                rid, type(e).__name__)
-            streaming = req.stream  # the SSE generator now holds the in-flight count
-            return response
-        finally:
-            if not streaming:
-                self.inflight[choice.pool] -= 1
+            else:
+                body += chunk
+        if too_big:
+            raise ApiError(413, f"request body over {self.max_body} bytes "
+                                f"(http.max_body_bytes)", code="request_too_large")
+        return bytes(body)
 
-    async def _run(self, kind, req, rid, prompt_ids, params, choice, started, engine_rid):
-        stream = self.target.options(stream=True).generate.remote(
-            engine_rid, prompt_ids, params, choice.pool, choice.k)
+    async def _forward(self, request, generates: bool):
+        body = await self._read_body(request)  # 1.
+        choice = None
+        pool, k = None, 0
+        if generates:  # 2.
+            choice = self.choice.choose()
+            pool, k = choice.pool, choice.k
+        headers = [(key, v) for key, v in request.headers.items() if key not in _HOP_HEADERS]
+        self.choice.acquire(pool)
+        release = _Once(lambda: self.choice.release(pool))
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except ValueError as e:  # the target refused the request as asked
-            raise api.ApiError(400, str(e).splitlines()[-1][:500]) from None
-        ttft = time.monotonic() - started
-        if req.stream:
-            return self._sse(kind, req, rid, len(prompt_ids), first, stream, started, ttft,
-                             choice.pool)
-        text, n, finish = "", 0, None
-        chunk = first
-        while chunk is not None:
-            text += chunk["text"]
-            n += len(chunk["token_ids"])
-            finish = chunk["finish_reason"] or finish
-            self._observe(chunk, started, ttft)
-            chunk = await anext(stream, None)
-        build = api.chat_response if kind == "chat" else api.completion_response
-        return _json(build(rid, self.model_name, text, api.finish_reason(finish),
-                           len(prompt_ids), n, int(time.time())))
+            stream, start = await self._call_target(  # 3.
+                request.method, request.url.path, request.url.query, headers, body, pool, k)
+        except BaseException:
+            release()
+            raise
+        return await self._respond(stream, start, release)  # 4.
 
-    def _observe(self, chunk: dict, started: float, ttft: float) -> None:
-        """Add a finished request (its last chunk carries the target's report) to the stats."""
-        report = chunk.get("report")
-        if report is None:
-            return
-        duration = time.monotonic() - started
-        self.stats.record(RequestRecord(report, ttft_s=ttft, duration_s=duration,
-                                        finished_at=time.time()))
-        self.metrics.observe(report, ttft, duration)
+    async def _call_target(self, method, path, query, headers, body, pool, k):
+        for attempt in range(1, TARGET_ATTEMPTS + 1):
+            stream = self.target.options(stream=True).http.remote(
+                method, path, query, headers, body, pool, k)
+            try:
+                return stream, await stream.__anext__()
+            except Exception as e:  # nothing was sent to the client yet
+                stream.cancel()
+                if not _replica_failed(e) or attempt == TARGET_ATTEMPTS:
+                    raise
+                log.warning("target replica failed before answering %s (%s); retrying",
+                            path, type(e).__name__)
 
-    def _sse(self, kind, req, rid, prompt_tokens, first, stream, started, ttft, pool):
-        created = int(time.time())
+    def _take_records(self, item) -> bool:
+        """An item after the body: the target's records of finished sequences."""
+        if isinstance(item, dict) and "records" in item:
+            for r in item["records"]:
+                self.ops.record(r)
+            return True
+        return False
+
+    async def _respond(self, stream, start: dict, release):
+        status = start["status"]
+        headers = {key: v for key, v in start["headers"]
+                   if key.lower() not in _HOP_RESPONSE_HEADERS}
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+        if not sse:  # JSON: read it all, answer with a plain response
+            from starlette.responses import Response
+
+            try:
+                body = bytearray()
+                async for item in stream:
+                    if not self._take_records(item):
+                        body += item
+            finally:
+                stream.cancel()
+                release()
+            return Response(_openai_error_shape(bytes(body), status), status_code=status,
+                            headers=headers)
 
         def free():  # a client that went away frees the engine slot
             stream.cancel()
-            self.inflight[pool] -= 1
+            release()
 
-        release = _Once(free)
+        once = _Once(free)
 
         async def events():
-            n, chunk, is_first = 0, first, True
             try:
-                while chunk is not None:
-                    n += len(chunk["token_ids"])
-                    self._observe(chunk, started, ttft)
-                    reason = api.finish_reason(chunk["finish_reason"])
-                    if kind == "chat":
-                        body = api.chat_chunk(rid, self.model_name, chunk["text"], reason,
-                                              created, first=is_first)
-                    else:
-                        body = api.completion_chunk(rid, self.model_name, chunk["text"],
-                                                    reason, created)
-                    is_first = False
-                    yield api.sse(body)
-                    chunk = await anext(stream, None)
-                if req.include_usage:
-                    yield api.sse(api.usage_chunk(rid, self.model_name, prompt_tokens, n,
-                                                  created, kind=kind))
-                yield api.SSE_DONE
+                async for item in stream:
+                    if not self._take_records(item):
+                        yield item
             except Exception as e:  # the target failed mid-stream: say so, then end
-                log.warning("stream %s failed: %s", rid, e)
+                log.warning("stream failed: %s", e)
                 err = (_target_failed(e) if _replica_failed(e) else
-                       api.ApiError(500, f"generation failed: {e}", type="server_error"))
-                yield "data: " + json.dumps(err.body()) + "\n\n"
-                yield api.SSE_DONE
+                       ApiError(500, f"generation failed: {e}", type="server_error"))
+                yield ("data: " + json.dumps(err.body()) + "\n\n").encode()
+                yield b"data: [DONE]\n\n"
             finally:
-                release()
+                once()
 
-        return _streaming_response(events(), release)
+        return streaming_response(events(), once, status, headers)

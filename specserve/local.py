@@ -64,6 +64,7 @@ class LocalSpec:
         draft_tls=None,
         replay: list[tuple[list[int], list[int]]] | None = None,
         adaptive_k: bool = False,
+        speculation=None,
         thresholds=None,
     ):
         """sink_only: no draft process, but the target's sink listens (k > 0) for
@@ -72,7 +73,9 @@ class LocalSpec:
         draft_tls: the draft's own files if they differ (tests: a wrong certificate).
         adaptive_k: choose each request's K in 0..k from measured step costs and
         acceptance (specserve/control/controller.py); K = 0 runs it on the target
-        alone. thresholds: the controller's (control.policy.Thresholds)."""
+        alone. thresholds: the controller's (control.policy.Thresholds).
+        speculation: a specserve.config.SpeculationConfig for the branches (F,
+        budget, length) and the bounded wait; None: its defaults."""
         if (draft is not None or sink_only) and k < 1:
             raise ValueError("num_speculative_tokens must be >= 1 with a draft")
         problem = lookahead_problem(k, lookahead, "K") if draft is not None else None
@@ -101,6 +104,10 @@ class LocalSpec:
         self.draft_failures = 0
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
+        from specserve.config import SpeculationConfig
+
+        self.speculation = speculation or SpeculationConfig(num_speculative_tokens=max(k, 1))
+        self.adaptive = None
         # adaptive K: the same controller the Serve router decides with, over
         # one draft pool; figures are this engine's finished requests.
         self.controller = None
@@ -146,6 +153,11 @@ class LocalSpec:
                + (["--tls-server-name", self.draft_tls.server_name]
                   if self.draft_tls.server_name else [])
                if self.draft_tls is not None else [])
+            + ["--branch-fan-out", str(self.speculation.branch_fan_out),
+               "--branch-budget", str(self.speculation.branch_budget),
+               "--branch-len", str(self.speculation.branch_tokens()),
+               "--branch-positions", str(self.k + 1),
+               "--name", f"{self.draft}/local-0"]
             + list(extra),
             stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
         )
@@ -180,7 +192,8 @@ class LocalSpec:
             self._start_draft_process()  # it loads while the target engine starts
         # Building the engine blocks for a while; the draft process loads meanwhile.
         self.target_engine = TargetEngine.start(
-            self.target, self.settings, tp=self.tp, k=self.k, tls=self.tls, cpus=target_cpus)
+            self.target, self.settings, tp=self.tp, k=self.k, tls=self.tls, cpus=target_cpus,
+            max_wait_ms=self.speculation.max_wait_ms)
         self.engine, self.totals = self.target_engine.engine, self.target_engine.totals
         self.sink_address = self.target_engine.sink_address
         if self.synthetic is not None:
@@ -218,6 +231,22 @@ class LocalSpec:
             self.target_engine.shutdown()
             self.target_engine = self.engine = None
         self._tmp.cleanup()
+
+    async def sink_figures(self) -> dict[str, dict]:
+        """The target sink's counters per draft (DraftSink.Stats), {} without a sink."""
+        if self.sink_address is None:
+            return {}
+        from specserve.draft.link import _channel_factory
+
+        channel = _channel_factory(self.tls)(self.sink_address)
+        try:
+            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
+                                                                   timeout=10)
+        finally:
+            await channel.close()
+        return {d.draft: {**dict(d.counters), "waits": d.waits,
+                          "wait_seconds": d.wait_seconds, "steps": d.steps}
+                for d in msg.drafts}
 
     # ---- requests ---------------------------------------------------------------
 

@@ -141,3 +141,41 @@ def test_serve_on_the_default_follows_the_named_models(short_context, monkeypatc
     cfg, _ = serve_config(serve_args("--target", m, "--draft", m, "--draft", m))
     assert [d.resources.cpus_per_worker for d in cfg.drafts] == [0.5, 0.5]
     assert [d.name for d in cfg.drafts] == ["m", "m-2"]
+
+
+def test_a_deployment_that_cannot_be_placed_says_what_it_asks_and_what_is_free(
+        monkeypatch, capsys):
+    import threading
+    from types import SimpleNamespace as NS
+
+    from specserve.cli import serve as serve_cmd
+    from specserve.config import AppConfig
+
+    cfg = AppConfig.embedded_default().with_overrides(drafts=["/m/a", "/m/b"])
+    unplaced = ("Deployment 'draft-b' in application 'specserve' has 1 replicas that have "
+                "taken more than 30s to be scheduled. ...")
+    states = iter([
+        {"target": NS(status="UPDATING", message=""), "draft-a": NS(status="UPDATING", message=""),
+         "draft-b": NS(status="UPDATING", message="")},
+        {"target": NS(status="HEALTHY", message=""), "draft-a": NS(status="HEALTHY", message=""),
+         "draft-b": NS(status="UPDATING", message=unplaced)},
+    ])
+
+    class FakeServe:
+        def status(self):
+            deployments = next(states, None)
+            if deployments is None:
+                return NS(applications={"specserve": NS(status="RUNNING", deployments={})})
+            return NS(applications={"specserve": NS(status="DEPLOYING", message="",
+                                                    deployments=deployments)})
+
+    monkeypatch.setattr(serve_cmd, "_free_by_node", lambda: {"127.0.0.1": {"CPU": 0.0}})
+    monkeypatch.setattr(serve_cmd.time, "sleep", lambda s: None)
+    serve_cmd.wait_running(FakeServe(), threading.Event(), cfg)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "specserve: starting draft-a, draft-b, target ...",
+        "specserve: starting draft-b ...",
+        "specserve: draft-b waits for resources: each replica asks CPU 1, 1 replica to start; "
+        "free: node 127.0.0.1: CPU 0",
+    ]

@@ -147,9 +147,10 @@ def wait_running(serve, stop, cfg, app: str = "specserve") -> None:
             unplaced = "to be scheduled" in (deployments[name].message or "")
             if unplaced and name in asks and now - told.get(name, -WAIT_REPEAT_S) >= WAIT_REPEAT_S:
                 told[name] = now
-                print(f"specserve: {name} waits for resources: {describe_ask(asks[name])} "
-                      f"({asks[name].replicas} replicas); {describe_free(_free_by_node())}",
-                      file=sys.stderr, flush=True)
+                n = asks[name].replicas
+                print(f"specserve: {name} waits for resources: {describe_ask(asks[name])}, "
+                      f"{n} replica{'' if n == 1 else 's'} to start; "
+                      f"{describe_free(_free_by_node())}", file=sys.stderr, flush=True)
         time.sleep(1)
 
 
@@ -176,7 +177,9 @@ def run_serve(args) -> int:
     if address is not None:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False)
+        # address="local": a new cluster even where `ray start` left one running
+        # (plain ray.init() would join it, with its own resources).
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -273,6 +273,25 @@ class SpeculationConfig(_Strict):
         None, ge=1,
         description="W: how many tokens past the last verified position a draft may run; "
                     "must be greater than K. Null: 2K.")
+    branch_fan_out: int = Field(
+        3, ge=0, le=16,
+        description="F: at most this many alternatives a draft pre-drafts at one position "
+                    "of its window (its next-best tokens there, each continued a few tokens), "
+                    "so that the step after a rejection finds drafts waiting. 0: no branches.")
+    branch_budget: int = Field(
+        12, ge=0, le=256,
+        description="Alternatives per request in all, split over the window's positions "
+                    "geometrically by the draft's acceptance (specserve.control.policy.fan_out: "
+                    "more near the verified position, where rejections are likelier).")
+    branch_len: int | None = Field(
+        None, ge=1, le=64,
+        description="Tokens a branch continues past its alternative token. Null: K.")
+    max_wait_ms: float = Field(
+        50.0, ge=0.0, le=250.0,
+        description="Upper bound on the bounded wait: after a rejection with no matching "
+                    "branch, the target may hold a step this long at most for fresh drafts; "
+                    "the rate model (specserve.control.policy.wait_bound) picks less, or 0 "
+                    "when the batch is large or drafts are poor. 0: never wait.")
     k_control: KControlConfig = Field(
         default_factory=KControlConfig,
         description="The K controller's thresholds: when figures are trusted, probing, margin.")
@@ -287,6 +306,10 @@ class SpeculationConfig(_Strict):
     def lookahead_tokens(self) -> int:
         """The effective W."""
         return lookahead_tokens(self.num_speculative_tokens, self.lookahead)
+
+    def branch_tokens(self) -> int:
+        """The effective branch length."""
+        return self.branch_len if self.branch_len is not None else max(self.num_speculative_tokens, 1)
 
 
 class HttpConfig(_Strict):

@@ -192,3 +192,99 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
         p = pools[(turn // th.probe_every) % len(pools)]
         return Choice(p.name, k_max, f"probing {p.name} (speculation did not pay; {how})")
     return Choice(None, 0, f"no pool's acceptance and coverage pay for speculation ({how})")
+
+
+# ---- after a rejection: branches and the bounded wait -------------------------------
+#
+# A verify step ends in one of these outcomes for a row: its j-th drafted token
+# (j = 0, 1, ...) is the first the target rejects, with probability
+# P_j = α^j (1 − α), and the target's own token stands at that position. The
+# next step finds drafts only if the draft had already drafted that outcome: a
+# branch that forks at the position with the target's token. A draft that
+# offers f alternatives at a position holds the target's token with a hit rate
+# that grows with f and flattens (SSD / Saguaro, Kumar et al., ICLR 2026, fit it
+# as a power law: miss ∝ f^(−r)). Maximising Σ_j P_j · hit(f_j) under a budget
+# Σ_j f_j = B gives f_j ∝ P_j^(1/(1+r)) (their Theorem 12): the alternatives
+# thin out geometrically with the offset, by α^(1/(1+r)) per position.
+
+BRANCH_R = 0.5  # the power-law exponent r of the hit rate; SSD's default
+
+
+def fan_out(alpha: float, positions: int, budget: int, max_fan_out: int,
+            r: float = BRANCH_R) -> list[int]:
+    """Alternatives to pre-draft at window offsets 0..positions-1 (offset j: the
+    j-th drafted token past the verified position): at most max_fan_out each,
+    at most `budget` in all, in proportion to P_j^(1/(1+r)) (D'Hondt rounding,
+    so the split is the same integers every time). Non-increasing in j."""
+    if positions <= 0 or budget <= 0 or max_fan_out <= 0:
+        return [0] * max(positions, 0)
+    a = min(max(alpha, 0.0), 1.0)
+    rho = 1.0 / (1.0 + max(r, 0.0))
+    # P_j^rho without the common factor (1 - a)^rho; a = 1 never rejects, but
+    # keep the shape uniform there rather than dividing by zero.
+    weights = [a ** (j * rho) if a > 0 else (1.0 if j == 0 else 0.0) for j in range(positions)]
+    counts = [0] * positions
+    for _ in range(min(budget, positions * max_fan_out)):
+        best, best_q = -1, 0.0
+        for j, w in enumerate(weights):
+            if counts[j] < max_fan_out and w > 0:
+                q = w / (counts[j] + 1)
+                if q > best_q:
+                    best, best_q = j, q
+        if best < 0:
+            break
+        counts[best] += 1
+    return counts
+
+
+MAX_WAIT_S = 0.25  # no configuration waits longer than this per step
+
+
+def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float,
+               draft_token_s: float | None, cost: StepCost | None = None,
+               coverage: float = 1.0, max_wait_s: float = MAX_WAIT_S,
+               first_token_s: float | None = None,
+               margin: float = Thresholds.margin) -> float:
+    """Seconds the proposer may hold a verify step for fresh drafts.
+
+    `waiting_rows` of the batch's `rows` just had a rejection and found no
+    branch; the draft hears the target's token now and produces a token every
+    `draft_token_s` seconds (measured: the first fresh draft after a
+    rejection; the first of them `first_token_s` after the verified tokens
+    went out, round trip included, when known). Waiting
+    w_j = first_token_s + (j − 1) · draft_token_s (or j · draft_token_s) gives
+    each of them j drafts, i.e.
+    E(α, j) − 1 more tokens this step, and delays every row by as long: with a
+    step of `step_s` seconds (a + b · tokens; `cost` gives b, else the V_IDLE
+    floor), the batch emits
+
+        X  = (rows − m) (1 + cov (E(α, K) − 1)) + m      tokens in step_s
+        X' = X + m (E(α, j) − 1)                           in step_s + w_j + b·m·j
+
+    The bound is the w_j with the best X'/time, if it beats X/step_s by
+    `margin`; otherwise 0. So it is 0 for poor drafts, big batches (the others'
+    delay outweighs), slow drafts and unknown draft speed; never above
+    max_wait_s."""
+    m = min(max(waiting_rows, 0), max(rows, 0))
+    if m == 0 or k <= 0 or alpha <= 0.0 or step_s <= 0.0 or draft_token_s is None \
+            or draft_token_s < 0.0 or max_wait_s <= 0.0:
+        return 0.0
+    if first_token_s is None:
+        if draft_token_s <= 0.0:
+            return 0.0
+        first_token_s = draft_token_s
+    if cost is not None and cost.measured:
+        b = max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
+    else:
+        b = V_IDLE * step_s
+    others = (rows - m) * (1.0 + min(max(coverage, 0.0), 1.0) * (expected_tokens(alpha, k) - 1.0))
+    base = others + m
+    best_w, best_rate = 0.0, base / step_s * (1.0 + margin)
+    for j in range(1, k + 1):
+        w = first_token_s + (j - 1) * draft_token_s
+        if w > max_wait_s:
+            break
+        rate = (base + m * (expected_tokens(alpha, j) - 1.0)) / (step_s + w + b * m * j)
+        if rate > best_rate:
+            best_w, best_rate = w, rate
+    return best_w

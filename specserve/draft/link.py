@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
+from specserve.target.sink import DRAFT_NAME_KEY
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,12 @@ class SinkLink:
         max_queued: int = 4096,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         tls=None,
+        name: str = "",
     ):
-        """tls: a specserve.tls.TlsFiles: connect with mutual TLS (None: plaintext)."""
+        """tls: a specserve.tls.TlsFiles: connect with mutual TLS (None: plaintext).
+        name: this draft's "model/replica", sent as call metadata (the sink's
+        figures are kept per name)."""
+        self.name = name
         self.address = address
         self._on_verified = on_verified
         self._snapshot = snapshot
@@ -68,9 +73,12 @@ class SinkLink:
         self._put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
             request_id=rid, prompt_token_ids=prompt, max_draft_tokens=k)))
 
-    def send_draft(self, rid: str, position: int, tokens: list[int]) -> None:
+    def send_draft(self, rid: str, position: int, tokens: list[int],
+                   branches: list[tuple[int, list[int]]] = ()) -> None:
         self._put(spec_pb2.DraftMessage(
-            draft=spec_pb2.DraftTokens(request_id=rid, position=position, token_ids=tokens)))
+            draft=spec_pb2.DraftTokens(
+                request_id=rid, position=position, token_ids=tokens,
+                branches=[spec_pb2.Branch(fork_position=f, token_ids=t) for f, t in branches])))
 
     def close_request(self, rid: str) -> None:
         self._put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id=rid)))
@@ -99,7 +107,9 @@ class SinkLink:
                         queue.put_nowait(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
                             request_id=rid, position=len(verified), token_ids=drafts)))
                 self._queue = queue
-                call = spec_pb2_grpc.DraftSinkStub(channel).Connect(self._outgoing(queue))
+                call = spec_pb2_grpc.DraftSinkStub(channel).Connect(
+                    self._outgoing(queue),
+                    metadata=((DRAFT_NAME_KEY, self.name),) if self.name else None)
                 self.connects += 1
                 async for msg in call:
                     backoff = 0.05

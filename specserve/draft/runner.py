@@ -8,6 +8,14 @@ the verified position on (so the sink can check it against what it has). When
 the target verifies tokens that differ from S (a rejection) or runs past S, the
 current segment is aborted and drafting restarts from the verified history.
 
+Branches (pre-drafted outcomes). With a BranchPlan and a model that can branch,
+every window also carries branches: at window offset j, fan_out(α, ...) of the
+model's next-best tokens there (specserve.control.policy.fan_out: SSD's
+geometric split of the budget, α the draft's own acceptance as measured from
+the target's verified tokens), each continued a few tokens. The target takes
+one when it rejects our token there with that alternative; then so does the
+runner: its S becomes the branch, and drafting goes on from the branch's end.
+
 Never decides output: the target's rejection sampler does. Knows nothing of HTTP
 or tokenization; talks to sinks through `SinkLink` and to the model through a
 `DraftModel` (vLLM here, a replay of recorded tokens for the synthetic draft).
@@ -23,6 +31,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from specserve.control.policy import fan_out
 from specserve.draft.link import SinkLink
 
 log = logging.getLogger(__name__)
@@ -41,32 +50,120 @@ class DraftModel(Protocol):
 
 
 class VllmDraftModel:
-    """A vLLM AsyncLLM as the draft: greedy, streamed one step at a time."""
+    """A vLLM AsyncLLM as the draft: greedy, streamed one step at a time.
 
-    def __init__(self, engine, max_model_len: int):
+    With fan_out F > 0 it also branches: the main line asks vLLM for the top
+    F + 1 logprobs of every drafted token (free: the same forward pass), so the
+    next-best tokens of each position are known; a branch's continuation is one
+    more greedy request on the engine (prefix + alternative), which vLLM's
+    continuous batching runs in the same forward steps as the main lines."""
+
+    def __init__(self, engine, max_model_len: int, fan_out: int = 0):
         self.engine = engine
         self.max_model_len = max_model_len
+        self.fan_out = fan_out
+        self._alts: dict[str, dict[int, list[int]]] = {}  # request -> position -> next-best
+        self._conts: dict[tuple[str, int, int], list[int]] = {}  # (request, fork, alt) -> tokens
+        self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
 
-    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+    def _params(self, max_tokens: int, logprobs: int | None):
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
+        return SamplingParams(
             temperature=0.0,
             max_tokens=max_tokens,
             ignore_eos=True,  # the target decides where output ends
             detokenize=False,
+            logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
+
+    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+        from vllm.inputs import TokensPrompt
+
+        self.forget(request_id)  # a new segment: the old line's alternatives are void
+        alts = self._alts.setdefault(request_id, {}) if self.fan_out > 0 else None
+        params = self._params(max_tokens, self.fan_out + 1 if alts is not None else None)
         gen = self.engine.generate(TokensPrompt(prompt_token_ids=tokens), params, segment_id)
+        pos = len(tokens)
         try:
             async for out in gen:
-                new = list(out.outputs[0].token_ids)
+                o = out.outputs[0]
+                new = list(o.token_ids)
+                if alts is not None and o.logprobs:
+                    for i, (tok, lp) in enumerate(zip(new, o.logprobs)):
+                        ranked = sorted(lp.items(), key=lambda kv: -kv[1].logprob)
+                        alts[pos + i] = [t for t, _ in ranked if t != tok][: self.fan_out]
+                pos += len(new)
                 if new:
                     yield new
         finally:
             await gen.aclose()  # aborts the vLLM request if we stopped early
+
+    def branches(self, request_id, tokens, fork, count, length):
+        """The next-best tokens at `fork`, each with as much of its continuation
+        as the engine has drafted so far (started on first request)."""
+        out = []
+        for alt in self._alts.get(request_id, {}).get(fork, [])[:count]:
+            key = (request_id, fork, alt)
+            if key not in self._tasks:
+                self._conts[key] = []
+                self._tasks[key] = asyncio.get_running_loop().create_task(
+                    self._continue(key, list(tokens[:fork]) + [alt], length))
+            out.append([alt, *self._conts.get(key, [])])
+        return out
+
+    async def _continue(self, key, prefix: list[int], length: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid, fork, alt = key
+        gen = self.engine.generate(TokensPrompt(prompt_token_ids=prefix),
+                                   self._params(length, None), f"{rid}@{fork}:{alt}")
+        try:
+            async for out in gen:
+                if key not in self._conts:
+                    return
+                self._conts[key].extend(out.outputs[0].token_ids)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await gen.aclose()
+
+    def forget(self, request_id: str, before: int | None = None) -> None:
+        """Drop a request's alternatives and branches (those forking before
+        `before` only, when given) and stop their continuations."""
+        alts = self._alts.get(request_id)
+        if alts is not None:
+            for p in [p for p in alts if before is None or p < before]:
+                del alts[p]
+            if before is None:
+                del self._alts[request_id]
+        for key in [k for k in self._tasks if k[0] == request_id
+                    and (before is None or k[1] < before)]:
+            self._tasks.pop(key).cancel()
+            self._conts.pop(key, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchPlan:
+    """How much to pre-draft (SpeculationConfig.branch_fan_out / branch_budget / branch_len)."""
+
+    fan_out: int = 3  # F: alternatives at one position at most
+    budget: int = 12  # per request, over the window
+    length: int = 4  # continuation tokens per branch
+    # Window positions the budget covers: those the next verify step can
+    # reject (K + 1: K drafts and the bonus position); the request's own K + 1
+    # when it has one. None: the whole window.
+    positions: int | None = None
+
+    def __post_init__(self):
+        if self.fan_out < 0 or self.budget < 0 or self.length < 1:
+            raise ValueError("branch fan_out and budget must be >= 0 and length >= 1")
+
+    @property
+    def active(self) -> bool:
+        return self.fan_out > 0 and self.budget > 0
 
 
 @dataclasses.dataclass
@@ -76,6 +173,16 @@ class DraftStats:
     segments: int = 0
     rollbacks: int = 0  # the target left our sequence
     verified_tokens: int = 0
+    branches_sent: int = 0  # branch entries in the windows sent
+    branches_taken: int = 0  # rollbacks that continued on one of our branches
+    # Our tokens the target agreed with before a rejection, and the rejections:
+    # this draft's own estimate of its acceptance, for the branch budget.
+    agreed_tokens: int = 4
+    rejections: int = 1
+
+    @property
+    def alpha(self) -> float:
+        return self.agreed_tokens / (self.agreed_tokens + self.rejections)
 
 
 class _Request:
@@ -101,21 +208,40 @@ class _Request:
         self.changed = asyncio.Event()
         self.cancelled = False
         self.task: asyncio.Task | None = None
+        # (fork position, alternative token) -> [alternative, continuation...]
+        self.branches: dict[tuple[int, int], list[int]] = {}
 
     def agrees(self, start: int) -> bool:
         """S and the verified history agree on every position from `start` on."""
         end = min(len(self.tokens), len(self.verified))
         return start >= end or self.tokens[start:end] == self.verified[start:end]
 
-    def roll_back(self) -> None:
-        self.tokens = list(self.verified)
+    def roll_back(self) -> bool:
+        """Restart from the verified history, on our branch for it if we have
+        one. Returns whether a branch was taken."""
+        v = self.verified
+        p = next((i for i in range(min(len(self.tokens), len(v))) if self.tokens[i] != v[i]),
+                 None)
+        branch = self.branches.get((p, v[p])) if p is not None else None
+        self.branches = {}
         self.epoch += 1
+        if branch is not None and branch[: len(v) - p] == v[p : p + len(branch)] \
+                and p + len(branch) >= len(v):
+            self.tokens = v[:p] + branch
+            return True
+        self.tokens = list(v)
+        return False
 
 
 class DraftRunner:
-    def __init__(self, model: DraftModel, link_factory=None, tls=None):
-        """tls: a specserve.tls.TlsFiles for mutual TLS to the sinks (None: plaintext)."""
+    def __init__(self, model: DraftModel, link_factory=None, tls=None,
+                 branches: BranchPlan | None = None, name: str = ""):
+        """tls: a specserve.tls.TlsFiles for mutual TLS to the sinks (None: plaintext).
+        branches: pre-draft alternatives (needs a model with `branches`; None: none).
+        name: "model/replica", how the sinks' figures name this draft."""
         self.model = model
+        self.plan = branches if branches is not None and branches.active \
+            and hasattr(model, "branches") else None
         self.stats = DraftStats()
         self._requests: dict[str, _Request] = {}
         self._links: dict[str, SinkLink] = {}
@@ -123,7 +249,8 @@ class DraftRunner:
         # at each verified update: how timely this draft is, for autoscaling.
         self._timeliness: collections.deque = collections.deque(maxlen=512)
         self._link_factory = link_factory or (
-            lambda address: SinkLink(address, self._on_verified, self._snapshot, tls=tls)
+            lambda address: SinkLink(address, self._on_verified, self._snapshot, tls=tls,
+                                     name=name)
         )
 
     # ---- control ----------------------------------------------------------------
@@ -152,6 +279,9 @@ class DraftRunner:
             return False
         req.cancelled = True
         req.changed.set()
+        forget = getattr(self.model, "forget", None)
+        if forget is not None:
+            forget(rid)
         if req.task is not None:
             req.task.cancel()
         req.link.close_request(rid)
@@ -194,11 +324,26 @@ class DraftRunner:
             return  # nothing new
         self.stats.verified_tokens += end - len(req.verified)
         self._timeliness.append((len(req.tokens) > end, max(end - len(req.tokens), 0)))
+        old = len(req.verified)
         req.verified[position:] = tokens
+        ours = req.tokens[old:min(end, len(req.tokens))]
+        agreed = next((i for i, t in enumerate(ours) if t != req.verified[old + i]), None)
+        self.stats.agreed_tokens += len(ours) if agreed is None else agreed
         if not req.agrees(position):
-            # The target rejected one of our tokens: restart from its history.
-            req.roll_back()
+            # The target rejected one of our tokens: restart from its history
+            # (on our branch for its token, if we drafted one).
+            self.stats.rejections += 1
+            if req.roll_back():
+                self.stats.branches_taken += 1
             self.stats.rollbacks += 1
+        else:
+            if req.branches:
+                req.branches = {b: t for b, t in req.branches.items() if b[0] >= end}
+            if self.plan is not None and len(req.tokens) > end:
+                # The window's positions moved: send branches for the new ones
+                # now (a draft that is W ahead drafts nothing until the window
+                # drains, so without this the next rejection would find none).
+                req.link.send_draft(req.id, end, req.tokens[end:], self._branches(req, end))
         req.changed.set()
 
     def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int], int]]:
@@ -260,7 +405,31 @@ class DraftRunner:
                 return True
             v = len(req.verified)
             if len(req.tokens) > v:
-                req.link.send_draft(req.id, v, req.tokens[v:])
+                req.link.send_draft(req.id, v, req.tokens[v:], self._branches(req, v))
             if self._ahead(req):
                 return True
         return produced
+
+    def _branches(self, req: _Request, v: int) -> list[tuple[int, list[int]]]:
+        """The window's branches: the budget split over its positions."""
+        if self.plan is None:
+            return []
+        plan = self.plan
+        span = len(req.tokens) - v
+        if req.k:
+            span = min(span, req.k + 1)
+        elif plan.positions:
+            span = min(span, plan.positions)
+        counts = fan_out(self.stats.alpha, span, plan.budget, plan.fan_out)
+        forget = getattr(self.model, "forget", None)
+        if forget is not None:
+            forget(req.id, before=v)  # their positions are verified
+        out: list[tuple[int, list[int]]] = []
+        req.branches = {}
+        for j, count in enumerate(counts):
+            if count:
+                for b in self.model.branches(req.id, req.tokens, v + j, count, plan.length):
+                    out.append((v + j, b))
+                    req.branches[(v + j, b[0])] = b
+        self.stats.branches_sent += len(out)
+        return out

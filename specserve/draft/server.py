@@ -55,6 +55,7 @@ class DrafterService(spec_pb2_grpc.DrafterServicer):
 
 
 async def serve(args) -> None:
+    from specserve.draft.runner import BranchPlan
     from specserve.draft.worker import DraftWorker
     from specserve.target.engine import EngineSettings
 
@@ -67,8 +68,11 @@ async def serve(args) -> None:
         max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs)
     try:
+        plan = BranchPlan(args.branch_fan_out, args.branch_budget, args.branch_len,
+                          args.branch_positions or None)
         worker = DraftWorker.start(args.model, settings, tls=tls, replay_path=args.replay,
-                                   vocab_size=args.vocab_size)
+                                   vocab_size=args.vocab_size, branches=plan,
+                                   name=args.name or args.model)
     except ValueError as e:
         raise SystemExit(f"draft: {e}") from None
     server = grpc.aio.server()
@@ -100,6 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-gib", type=int, default=None)
+    # Pre-drafted outcomes (SpeculationConfig.branch_*): F, the budget, the length.
+    p.add_argument("--branch-fan-out", type=int, default=3)
+    p.add_argument("--branch-budget", type=int, default=12)
+    p.add_argument("--branch-len", type=int, default=4)
+    p.add_argument("--branch-positions", type=int, default=0,
+                   help="window positions the budget covers (K + 1; 0: the whole window)")
+    p.add_argument("--name", default=None,
+                   help='"model/replica" the sinks name this draft by (default: --model)')
     # Mutual TLS to the sinks (all three files, or none: plaintext).
     p.add_argument("--tls-ca", default=None)
     p.add_argument("--tls-cert", default=None)

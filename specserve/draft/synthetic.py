@@ -1,6 +1,6 @@
 """The synthetic draft: the target's own greedy continuation, corrupted at rate 1 − A.
 
-`--draft synthetic:A` (or `synthetic:A@Dms`) stands in for a draft model of
+`--draft synthetic:A` (or `synthetic:A@Dms`, `synthetic:A@Dms,hH`) stands in for a draft model of
 known quality. It has no model: it replays the target's greedy continuation of
 each prompt (recorded beforehand from a target-only run of the same prompts,
 the *replay*) and replaces each token, independently with probability 1 − A, by
@@ -48,16 +48,22 @@ PREFIX = "synthetic:"
 # flooding it (it holds at most 64 drafted tokens per request anyway).
 CHUNK = 16
 
-_SPEC_RE = re.compile(r"^synthetic:(?P<alpha>[0-9]*\.?[0-9]+)(@(?P<delay>[0-9]*\.?[0-9]+)ms)?$")
+_SPEC_RE = re.compile(r"^synthetic:(?P<alpha>[0-9]*\.?[0-9]+)(@(?P<delay>[0-9]*\.?[0-9]+)ms)?"
+                      r"(,h(?P<hit>[0-9]*\.?[0-9]+))?$")
+DEFAULT_RECOVERY_HIT = 0.6
+FAN_OUT = 3  # F: alternatives ranked at each position (SpeculationConfig.branch_fan_out)
 
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticSpec:
     alpha: float  # probability that a drafted token is the target's greedy token
-    delay_ms: float = 0.0  # per drafted token
+    delay_ms: float = 0.0  # per draft forward step (main line and every branch: one step)
+    recovery_hit: float = DEFAULT_RECOVERY_HIT  # H: the alternatives hold the target's token
 
     def __str__(self) -> str:
-        return f"{PREFIX}{self.alpha:g}" + (f"@{self.delay_ms:g}ms" if self.delay_ms else "")
+        return (f"{PREFIX}{self.alpha:g}" + (f"@{self.delay_ms:g}ms" if self.delay_ms else "")
+                + (f",h{self.recovery_hit:g}" if self.recovery_hit != DEFAULT_RECOVERY_HIT
+                   else ""))
 
 
 def is_synthetic(draft: str | None) -> bool:
@@ -65,15 +71,20 @@ def is_synthetic(draft: str | None) -> bool:
 
 
 def parse(draft: str) -> SyntheticSpec:
-    """'synthetic:0.8' or 'synthetic:0.8@2ms'; ValueError with the fix otherwise."""
+    """'synthetic:0.8', 'synthetic:0.8@2ms' or 'synthetic:0.8@2ms,h0.6'; ValueError
+    with the fix otherwise."""
     m = _SPEC_RE.match(draft.strip().lower())
     if m is None:
-        raise ValueError(f"bad synthetic draft {draft!r}; write synthetic:A or synthetic:A@Dms "
-                         "with 0 <= A <= 1 and a per-token delay D in ms, e.g. synthetic:0.8@2ms")
+        raise ValueError(f"bad synthetic draft {draft!r}; write synthetic:A, synthetic:A@Dms or "
+                         "synthetic:A@Dms,hH with 0 <= A, H <= 1 and a delay D in ms per draft "
+                         "step, e.g. synthetic:0.8@20ms,h0.6")
     alpha = float(m["alpha"])
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"synthetic draft acceptance {alpha} is outside [0, 1]")
-    return SyntheticSpec(alpha, float(m["delay"] or 0.0))
+    hit = float(m["hit"]) if m["hit"] is not None else DEFAULT_RECOVERY_HIT
+    if not 0.0 <= hit <= 1.0:
+        raise ValueError(f"synthetic draft recovery hit rate {hit} is outside [0, 1]")
+    return SyntheticSpec(alpha, float(m["delay"] or 0.0), hit)
 
 
 # ---- the corruption rule (pure) ---------------------------------------------------
@@ -97,6 +108,41 @@ def drafted_token(true_token: int, alpha: float, seed: int, digest: bytes, posit
     if u < alpha or vocab_size < 2:
         return true_token
     return (true_token + 1 + r % (vocab_size - 1)) % vocab_size
+
+
+def alternatives(true_token: int, alpha: float, hit: float, seed: int, digest: bytes,
+                 position: int, vocab_size: int, fan_out: int = FAN_OUT) -> list[int]:
+    """The draft's `fan_out` next-best tokens at a position, best first: never
+    its own drafted token; where that one is corrupted, the target's token is
+    among them with probability `hit`, at rank i with probability ∝ 1/(i + 1)."""
+    main = drafted_token(true_token, alpha, seed, digest, position, vocab_size)
+    h = hashlib.blake2b(struct.pack("<qqq", seed, position, 0x6272616e6368) + digest,
+                        digest_size=16).digest()
+    u, r = struct.unpack("<QQ", h)
+    out: list[int] = []
+    if main != true_token and u / 2.0**64 < hit:
+        # Rank i with probability ∝ 1/(i + 1): a draft's next-best token is
+        # likelier the better it ranks, so fewer alternatives find it less often.
+        weights = [1.0 / (i + 1) for i in range(fan_out)]
+        x = (r & 0xFFFFFFFF) / 2.0**32 * sum(weights)
+        rank = 0
+        while rank < fan_out - 1 and x >= weights[rank]:
+            x -= weights[rank]
+            rank += 1
+    else:
+        rank = -1
+    step = 0
+    while len(out) < fan_out and vocab_size > 2:
+        if len(out) == rank:
+            out.append(true_token)
+            continue
+        step += 1
+        t = (true_token + 7919 * step + (r >> 16) % max(vocab_size - 1, 1)) % vocab_size
+        if t != true_token and t != main and t not in out:
+            out.append(t)
+        if step > 8 * fan_out + 64:
+            break
+    return out
 
 
 # ---- the replay --------------------------------------------------------------------
@@ -172,13 +218,14 @@ class SyntheticDraftModel:
     """
 
     def __init__(self, spec: SyntheticSpec, replay: Replay, vocab_size: int, seed: int = 0,
-                 max_model_len: int = 1 << 30):
+                 max_model_len: int = 1 << 30, fan_out: int = FAN_OUT):
         self.spec = spec
         self.replay = replay
         self.vocab_size = vocab_size
         self.seed = seed
         self.max_model_len = max_model_len
         self.unknown_prompts = 0
+        self.fan_out = max(fan_out, 1)  # F: H is the chance the top F hold the target's token
 
     async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
         found = self.replay.find(tokens)
@@ -199,3 +246,23 @@ class SyntheticDraftModel:
             yield [drafted_token(seq[q], a, self.seed, digest, q, self.vocab_size)
                    for q in range(p, p + n)]
             p += n
+
+    def branches(self, request_id: str, tokens: Sequence[int], fork: int, count: int,
+                 length: int) -> list[list[int]]:
+        """`count` branches forking at `fork` of the main line `tokens`: an
+        alternative, then the main line's own draws for the positions after it,
+        as far as the main line has been drafted (a batched engine drafts one
+        more token of every branch per step) and at most `length` of them."""
+        found = self.replay.find(tokens)
+        if found is None or count <= 0 or not 0 <= fork < len(tokens):
+            return []
+        seq, n_prompt, digest = found
+        if fork < n_prompt or fork >= len(seq):
+            return []
+        a = self.spec.alpha
+        alts = alternatives(seq[fork], a, self.spec.recovery_hit, self.seed, digest, fork,
+                            self.vocab_size, self.fan_out)[:count]
+        end = min(fork + 1 + length, len(tokens), len(seq))
+        cont = [drafted_token(seq[q], a, self.seed, digest, q, self.vocab_size)
+                for q in range(fork + 1, end)]
+        return [[t, *cont] for t in alts]

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 
-from specserve.draft.runner import DraftRunner, VllmDraftModel
+from specserve.draft.runner import BranchPlan, DraftRunner, VllmDraftModel
 from specserve.target.engine import EngineSettings, apply_cpu_env, engine_args, shutdown_engine
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,14 @@ class DraftWorker:
 
     @classmethod
     def start(cls, model: str, settings: EngineSettings, *, tls=None, cpus: str | None = None,
-              replay_path: str | None = None, vocab_size: int | None = None) -> "DraftWorker":
+              replay_path: str | None = None, vocab_size: int | None = None,
+              branches: BranchPlan | None = None, name: str = "") -> "DraftWorker":
         """model: a draft model folder, 'default' (the shipped distilled draft), or
-        synthetic:A[@Dms] (needs replay_path and vocab_size: the target's greedy
+        synthetic:A[@Dms][,hH] (needs replay_path and vocab_size: the target's greedy
         outputs and vocabulary). tls: mutual TLS to the sinks (TlsFiles). cpus:
-        OpenMP core list of a CPU engine (unless the environment sets one)."""
+        OpenMP core list of a CPU engine (unless the environment sets one).
+        branches: pre-draft alternatives (BranchPlan; None: none). name:
+        "model/replica", how the target sinks' figures name this draft."""
         from specserve.draft import synthetic
 
         if tls is not None:
@@ -46,8 +49,9 @@ class DraftWorker:
             log.info("synthetic draft %s: %d recorded prompts", model, len(replay))
             draft_model = synthetic.SyntheticDraftModel(
                 synthetic.parse(model), replay, vocab_size, seed=settings.seed,
-                max_model_len=settings.max_model_len or (1 << 30))
-            return cls(DraftRunner(draft_model, tls=tls), None, [])
+                max_model_len=settings.max_model_len or (1 << 30),
+                fan_out=max(branches.fan_out, 1) if branches is not None else synthetic.FAN_OUT)
+            return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
         from specserve.models import resolve_draft
         from specserve.target.engine import start_engine
 
@@ -55,7 +59,10 @@ class DraftWorker:
         if cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus  # ignored on GPUs
         engine, procs = start_engine(engine_args(resolve_draft(model), settings))
-        runner = DraftRunner(VllmDraftModel(engine, engine.model_config.max_model_len), tls=tls)
+        # Branches from the engine's own logprobs, continued as batched requests.
+        fan = branches.fan_out if branches is not None and branches.active else 0
+        runner = DraftRunner(VllmDraftModel(engine, engine.model_config.max_model_len, fan_out=fan),
+                             tls=tls, branches=branches, name=name)
         return cls(runner, engine, procs)
 
     async def check_health(self) -> None:

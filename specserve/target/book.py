@@ -18,9 +18,28 @@ tokens since the last step (0 <= g <= max_advance) is looked up under
 prefix. Requests that were not matched at the last step (new, or lost track of)
 are compared against the rows nobody claimed.
 
+Branches (the speculation cache). Besides S, a draft may send branches: a
+branch forks at a drafted position p of S with an alternative token there, then
+its continuation; it stands for the outcome "the target rejects S[p] and samples
+that token". A row whose history left S at p with the token of a branch takes
+the branch as its S (a hit) and is proposed the branch's continuation at once,
+instead of waiting a step for the draft to hear of the rejection. A branch is a
+hint like everything else: at worst its tokens are rejected. Branches fork from
+S only (no branch of a branch); they are dropped as soon as their position is
+verified or S changes before them.
+
+Acceptance, exactly. The book remembers what it proposed to each request at the
+last step; the next history says how many of those tokens the target accepted.
+So it counts the conditional acceptance without assuming full windows (vLLM's
+per-position counters cannot tell a short window from a rejection), and, per
+step, whether the step before was a rejection, an accepted window or draftless:
+coverage after each, and the branch hit rate.
+
 Bounds. Each request holds at most `max_pending` drafted tokens past its verified
-position, a book holds at most `max_requests` requests, and token ids must lie in
-[0, vocab_size). Breaking a bound raises BookError with a gRPC-style code; the
+position and at most `max_branches` branches of at most `max_branch_len` tokens;
+the book holds at most `max_requests` requests and `max_branch_tokens` branch
+tokens in all (branches past a bound are dropped and counted); token ids must
+lie in [0, vocab_size). Breaking a bound raises BookError with a gRPC-style code; the
 sink turns it into a per-request error or ends the stream.
 """
 
@@ -60,7 +79,8 @@ class VerifiedUpdate:
 class _Entry:
     """One request's speculative sequence; tokens[:verified] are confirmed."""
 
-    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k")
+    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k", "branches",
+                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream")
 
     def __init__(self, prompt: Sequence[int], k: int = 0):
         n = len(prompt)
@@ -71,6 +91,13 @@ class _Entry:
         self.reported = n  # verified tokens already sent back to the draft
         self.prompt_len = n
         self.k = k  # at most this many proposed tokens per step; 0: the caller's k
+        # (fork position, alternative token) -> tokens from the fork on.
+        self.branches: dict[tuple[int, int], np.ndarray] = {}
+        self.branch_tokens = 0
+        self.last_start = -1  # where the last proposal started (len(H) then)
+        self.last_proposal: list[int] = []
+        self.last_outcome = FIRST  # how this request's last verify step ended
+        self.stream: Hashable = None
 
     def seq(self) -> np.ndarray:
         return self.tokens[: self.length]
@@ -86,6 +113,13 @@ class _Entry:
         self.length = end
 
 
+# How a request's previous verify step ended (for coverage after each outcome).
+FIRST = "first"  # no step yet, or the row was not tracked
+ACCEPTED = "accepted"  # every proposed token accepted
+REJECTED = "rejected"  # a proposed token rejected
+DRAFTLESS = "draftless"  # nothing was proposed
+
+
 @dataclasses.dataclass
 class BookStats:
     """Counters of what the book did; cumulative, for metrics and tests."""
@@ -95,10 +129,45 @@ class BookStats:
     draft_messages: int = 0
     draft_tokens_buffered: int = 0
     stale_messages: int = 0  # built on a history the target has left, or a gap
+    rewritten_messages: int = 0  # replaced drafted (unverified) tokens with newer ones
     rows_seen: int = 0
     rows_matched: int = 0  # rows bound to a request
     rows_with_proposals: int = 0  # rows that got at least one drafted token
     proposed_tokens: int = 0
+    branch_messages: int = 0  # branches received
+    branches_buffered: int = 0  # ... and kept
+    branches_dropped: int = 0  # stale, not an alternative, or past a bound
+    # Verify outcomes of proposals, from the next history (exact, per step):
+    verified_steps: int = 0  # steps that verified a proposal of ours
+    accepted_tokens: int = 0  # proposed tokens the target accepted
+    alpha_trials: int = 0  # proposed tokens whose predecessors were all accepted
+    # Steps by how the request's previous step ended, and those that got drafts:
+    steps_after_accepted: int = 0
+    covered_after_accepted: int = 0
+    steps_after_rejected: int = 0
+    covered_after_rejected: int = 0
+    steps_after_draftless: int = 0
+    covered_after_draftless: int = 0
+    branch_hits: int = 0  # steps after a rejection that found a matching branch
+    wait_rows: int = 0  # steps after a step with drafts that found none (could wait)
+    wait_hits: int = 0  # ... that got drafts within the bounded wait (refill)
+
+    @property
+    def alpha(self) -> float | None:
+        """Conditional acceptance of what was proposed, exactly."""
+        return self.accepted_tokens / self.alpha_trials if self.alpha_trials else None
+
+    @property
+    def branch_hit_rate(self) -> float | None:
+        return self.branch_hits / self.steps_after_rejected if self.steps_after_rejected else None
+
+    def coverage_after(self, outcome: str) -> float | None:
+        steps = getattr(self, f"steps_after_{outcome}")
+        return getattr(self, f"covered_after_{outcome}") / steps if steps else None
+
+    def add(self, other: "BookStats") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class DraftBook:
@@ -108,14 +177,29 @@ class DraftBook:
         max_requests: int = 4096,
         max_pending: int = 64,
         max_prompt_len: int = 1 << 20,
+        max_branches: int = 32,
+        max_branch_len: int = 16,
+        max_branch_tokens: int = 1 << 18,
     ):
         if vocab_size < 1 or max_requests < 1 or max_pending < 1:
             raise ValueError("vocab_size, max_requests and max_pending must be >= 1")
+        if max_branches < 0 or max_branch_len < 1 or max_branch_tokens < 0:
+            raise ValueError("max_branches, max_branch_tokens must be >= 0, max_branch_len >= 1")
         self.vocab_size = vocab_size
         self.max_requests = max_requests
         self.max_pending = max_pending
         self.max_prompt_len = max_prompt_len
+        self.max_branches = max_branches
+        self.max_branch_len = max_branch_len
+        self.max_branch_tokens = max_branch_tokens
+        self.branch_tokens = 0  # in all entries
         self.stats = BookStats()
+        # The same counters per stream (one stream: one draft replica).
+        self.stream_stats: dict[Hashable, BookStats] = {}
+        # Rows of the last propose() whose draft is drafting for them (their
+        # last step verified drafts) but that got nothing: (row, key), for the
+        # caller's bounded wait (see refill).
+        self.misses: list[tuple[int, Hashable]] = []
         self._entries: dict[Hashable, _Entry] = {}
         # (len(V), last verified token) -> keys. Every entry is in exactly one bucket.
         self._index: dict[tuple[int, int], set[Hashable]] = {}
@@ -145,42 +229,127 @@ class DraftBook:
             )
         arr = self._checked_tokens(prompt)
         entry = _Entry(arr, k)
+        entry.stream = key[0] if isinstance(key, tuple) and key else None
+        self.stream_stats.setdefault(entry.stream, BookStats())
         self._entries[key] = entry
         self._index_add(key, entry)
         self._unmatched.add(key)
         self.stats.opened += 1
 
-    def extend(self, key: Hashable, position: int, tokens: Sequence[int]) -> int:
-        """Drafted tokens for positions [position, position + len(tokens)).
+    def extend(self, key: Hashable, position: int, tokens: Sequence[int],
+               branches: Sequence[tuple[int, Sequence[int]]] = ()) -> int:
+        """Drafted tokens for positions [position, position + len(tokens)), and
+        branches (fork position, [alternative token, continuation...]).
 
         The part that overlaps what the book already holds must agree with it:
         a draft built on another history (stale, or after a rejection the draft
-        has not heard of yet) is dropped. Returns how many tokens were added.
+        has not heard of yet) is dropped, its branches too. A branch must fork
+        inside this message's window at a position not yet verified, with a
+        token other than S's there. Returns how many main tokens were added.
         """
         entry = self._entries.get(key)
         if entry is None:
             raise BookError(NOT_FOUND, f"unknown request {key[-1]!r}: open it first")
         arr = self._checked_tokens(tokens)
+        checked = [(int(fork), self._checked_tokens(bt)) for fork, bt in branches]
         self.stats.draft_messages += 1
+        if checked:
+            self._count(entry, "branch_messages", len(checked))
         if position < entry.prompt_len or position > entry.length:
             # Before the prompt's end is not a draft; past S's end is a gap.
             self.stats.stale_messages += 1
+            self._count(entry, "branches_dropped", len(checked))
             return 0
-        overlap = min(entry.length - position, len(arr))
-        if not np.array_equal(entry.tokens[position : position + overlap], arr[:overlap]):
+        # Positions the target verified must agree: else the draft built on a
+        # history the target has left.
+        fixed = max(min(entry.verified - position, len(arr)), 0)
+        if not np.array_equal(entry.tokens[position : position + fixed], arr[:fixed]):
             self.stats.stale_messages += 1
+            self._count(entry, "branches_dropped", len(checked))
             return 0
+        # Past them, the message is a draft for the same verified history, newer
+        # than what the book holds: where they differ (the book took a branch
+        # the draft did not, say) the message wins.
+        overlap = min(entry.length - position, len(arr))
+        differ = np.flatnonzero(entry.tokens[position + fixed : position + overlap]
+                                != arr[fixed:overlap])
+        if len(differ):
+            cut = position + fixed + int(differ[0])
+            entry.length = cut
+            self._drop_branches_after(entry, cut)
+            self.stats.rewritten_messages += 1
+            overlap = cut - position
         room = entry.verified + self.max_pending - entry.length
         new = arr[overlap : overlap + max(room, 0)]
         if len(new):
             entry.put(entry.length, new)
             self.stats.draft_tokens_buffered += len(new)
+        window_end = min(position + len(arr), entry.length)
+        for fork, bt in checked:
+            self._add_branch(entry, position, window_end, fork, bt)
         return len(new)
+
+    def _add_branch(self, entry: _Entry, start: int, end: int, fork: int, bt: np.ndarray) -> None:
+        bt = bt[: self.max_branch_len]
+        ok = (len(bt) > 0 and max(start, entry.verified) <= fork < end
+              and int(bt[0]) != int(entry.tokens[fork]))
+        bkey = (fork, int(bt[0])) if len(bt) else None
+        old = entry.branches.get(bkey) if ok else None
+        grow = len(bt) - (len(old) if old is not None else 0)
+        if ok and old is None and len(entry.branches) >= self.max_branches:
+            ok = False  # a flood: the first max_branches stay
+        if ok and self.branch_tokens + grow > self.max_branch_tokens:
+            ok = False
+        if not ok:
+            self._count(entry, "branches_dropped")
+            return
+        entry.branches[bkey] = bt.copy()
+        entry.branch_tokens += grow
+        self.branch_tokens += grow
+        self._count(entry, "branches_buffered")
+
+    def _drop_branches(self, entry: _Entry, keep_from: int | None = None) -> None:
+        """Drop the branches forking before keep_from (all when None)."""
+        if not entry.branches:
+            return
+        if keep_from is None:
+            gone = list(entry.branches)
+        else:
+            gone = [b for b in entry.branches if b[0] < keep_from]
+        for b in gone:
+            n = len(entry.branches.pop(b))
+            entry.branch_tokens -= n
+            self.branch_tokens -= n
+
+    def _drop_branches_after(self, entry: _Entry, cut: int) -> None:
+        """S changed at `cut`: branches forking at or after it forked off the old S."""
+        for b in [b for b in entry.branches if b[0] >= cut]:
+            n = len(entry.branches.pop(b))
+            entry.branch_tokens -= n
+            self.branch_tokens -= n
+
+    def _count(self, entry: _Entry, name: str, n: int = 1) -> None:
+        setattr(self.stats, name, getattr(self.stats, name) + n)
+        per = self.stream_stats.get(entry.stream)
+        if per is None:
+            per = self.stream_stats[entry.stream] = BookStats()
+        setattr(per, name, getattr(per, name) + n)
+
+    def pending(self, key: Hashable) -> int:
+        """Drafted tokens past the verified position of a request (0 if unknown)."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else entry.length - entry.verified
+
+    def want(self, key: Hashable, k: int) -> int:
+        """The most tokens a request can be proposed per step: k, or its own K."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else (min(k, entry.k) if entry.k else k)
 
     def close(self, key: Hashable) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
+        self._drop_branches(entry)
         self._index_remove(key, entry)
         self._unmatched.discard(key)
         self.stats.closed += 1
@@ -244,13 +413,17 @@ class DraftBook:
                     break
 
         updates: list[VerifiedUpdate] = []
+        self.misses = []
         for key, i in claimed.items():
             self.stats.rows_matched += 1
             entry = self._entries[key]
             proposals[i] = self._advance(key, entry, histories[i], k)
-            if proposals[i]:
-                self.stats.rows_with_proposals += 1
-                self.stats.proposed_tokens += len(proposals[i])
+            self._note_proposal(entry, len(histories[i]), proposals[i])
+            if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
+                # The draft is drafting for this row but nothing is here (it has
+                # not heard of the rejection yet, or fell behind): the bounded
+                # wait may hold the step for it.
+                self.misses.append((i, key))
             if entry.verified > entry.reported:
                 start = entry.reported
                 updates.append(
@@ -259,6 +432,44 @@ class DraftBook:
                 entry.reported = entry.verified
         self._unmatched = set(self._entries) - set(claimed)
         return proposals, updates
+
+    def refill(self, histories: Sequence[np.ndarray], k: int) -> dict[int, list[int]]:
+        """Proposals for the rows of the last propose()'s misses whose drafts
+        have arrived since (the bounded wait); {row: tokens}. Changes no
+        verified position: it only reads what arrived for the same history."""
+        out: dict[int, list[int]] = {}
+        for i, key in self.misses:
+            entry = self._entries.get(key)
+            h = histories[i]
+            n = len(h)
+            if entry is None or entry.verified != n or entry.length <= n:
+                continue
+            kk = min(k, entry.k) if entry.k else k
+            tokens = entry.tokens[n : min(entry.length, n + kk)].tolist()
+            if not tokens:
+                continue
+            out[i] = tokens
+            self.stats.rows_with_proposals += 1
+            self.stats.proposed_tokens += len(tokens)
+            self._count(entry, f"covered_after_{entry.last_outcome}")
+            self._count(entry, "wait_hits")
+            entry.last_start, entry.last_proposal = n, tokens
+        self.misses = []
+        return out
+
+    def _note_proposal(self, entry: _Entry, n: int, proposal: list[int]) -> None:
+        """Count this step's proposal against how the request's last step ended."""
+        outcome = entry.last_outcome
+        if outcome != FIRST:
+            self._count(entry, f"steps_after_{outcome}")
+            if proposal:
+                self._count(entry, f"covered_after_{outcome}")
+        if not proposal and outcome in (REJECTED, ACCEPTED):
+            self._count(entry, "wait_rows")
+        if proposal:
+            self.stats.rows_with_proposals += 1
+            self.stats.proposed_tokens += len(proposal)
+        entry.last_start, entry.last_proposal = n, proposal
 
     # ---- internals ------------------------------------------------------------
 
@@ -299,21 +510,64 @@ class DraftBook:
         return None
 
     def _advance(self, key: Hashable, entry: _Entry, h: np.ndarray, k: int) -> list[int]:
-        """Row history h extends entry's verified prefix: move V to len(h)."""
+        """Row history h extends entry's verified prefix: move V to len(h).
+
+        Where h leaves S (a rejection), a branch forking there with h's token
+        becomes S (a hit); otherwise S restarts from h."""
         n = len(h)
         self._index_remove(key, entry)
+        self._judge_last(entry, h)
         v = entry.verified
         if n > v:
             have = min(entry.length, n)
-            same = np.array_equal(entry.tokens[v:have], h[v:have])
-            if not same or entry.length < n:
-                # Rejection (or the target ran past the drafts): S restarts from H.
+            diff = np.flatnonzero(entry.tokens[v:have] != h[v:have])
+            if len(diff):
+                p = v + int(diff[0])
+                # The target decided a drafted position otherwise (a proposed
+                # token, or the one after them: the bonus): a rejection.
+                entry.last_outcome = REJECTED
+                branch = entry.branches.get((p, int(h[p])))
+                self._drop_branches(entry)  # all forked at or before p, or off the old S
+                hit = branch is not None and len(branch) >= n - p and np.array_equal(
+                    branch[: n - p], h[p:n])
+                if hit:
+                    entry.put(p, branch[: n - p + self.max_pending])
+                    self._count(entry, "branch_hits")
+                else:
+                    entry.put(v, np.asarray(h[v:n], dtype=np.int64))
+            elif entry.length < n:
+                # The target ran past the drafts: S is h.
                 entry.put(v, np.asarray(h[v:n], dtype=np.int64))
             entry.verified = n
+            self._drop_branches(entry, keep_from=n)
         self._index_add(key, entry)
         if entry.k:
             k = min(k, entry.k)
         return entry.tokens[n : min(entry.length, n + k)].tolist()
+
+    def _judge_last(self, entry: _Entry, h: np.ndarray) -> None:
+        """How the request's last verify step ended, from its new history."""
+        start, prop = entry.last_start, entry.last_proposal
+        n = len(h)
+        if start < 0 or n <= start:
+            return  # first step, or the row did not advance (outcome unchanged)
+        if not prop:
+            entry.last_outcome = DRAFTLESS
+            return
+        # Every step emits the accepted tokens and one of the target's own, so
+        # the row gained accepted + 1 tokens; the token after the accepted ones
+        # differs from ours exactly when the target rejected it (vLLM may also
+        # have verified fewer than we proposed: then nothing was rejected).
+        got = h[start : min(n, start + len(prop))]
+        same = np.asarray(prop[: len(got)]) == got
+        matched = int(np.argmin(np.append(same, False)))
+        accepted = min(n - start - 1, matched)
+        self._count(entry, "verified_steps")
+        self._count(entry, "accepted_tokens", accepted)
+        self._count(entry, "alpha_trials", min(accepted + 1, len(prop)))
+        rejected = accepted < len(prop) and matched == accepted
+        entry.last_outcome = REJECTED if rejected else ACCEPTED
+        entry.last_start, entry.last_proposal = -1, []
 
     def _index_add(self, key: Hashable, entry: _Entry) -> None:
         v = entry.verified

@@ -275,6 +275,7 @@ class TargetEngine:
               sink_bind: str = "127.0.0.1:0", sink_host: str = "127.0.0.1", tls=None,
               cpus: str | None = None, distributed_executor_backend: str | None = None,
               speculative_config: dict | None = None,
+              max_wait_ms: float = 0.0,
               engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 
@@ -284,11 +285,12 @@ class TargetEngine:
         cpus: the OpenMP core list of the engine's processes (CPU engines).
         speculative_config: another vLLM speculative config instead of ours
           (the bench's co-located `draft_model` baseline); no sink then.
+        max_wait_ms: the sink's bounded wait at most (SpeculationConfig.max_wait_ms).
         engine_metrics: also export vLLM's own engine metrics (vllm:* as
           ray_vllm_*, spec-decode counters included) through Ray's metrics
           agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
         """
-        from specserve.target.proposer import ENV_ADDRESS, ENV_PORT_FILE
+        from specserve.target.proposer import ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE
         from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
 
         apply_cpu_env(settings)
@@ -302,14 +304,15 @@ class TargetEngine:
         # The engine builds the proposer in its own worker processes, which
         # read their settings from the environment they inherit at spawn.
         env: dict[str, str | None] = {var: None for var in
-                                      (ENV_ADDRESS, ENV_PORT_FILE, ENV_CA, ENV_CERT, ENV_KEY,
-                                       ENV_SERVER_NAME)}
+                                      (ENV_ADDRESS, ENV_PORT_FILE, ENV_MAX_WAIT_MS, ENV_CA,
+                                       ENV_CERT, ENV_KEY, ENV_SERVER_NAME)}
         if speculative_config is not None:
             extra["speculative_config"] = speculative_config
             k = 0
         elif k > 0:
             env[ENV_ADDRESS] = sink_bind
             env[ENV_PORT_FILE] = str(port_file)
+            env[ENV_MAX_WAIT_MS] = str(max_wait_ms)
             if tls is not None:
                 tls.read()  # a missing file fails here, with its path
                 env.update(tls.to_env())

@@ -7,13 +7,18 @@ The target engine is built with
 and vLLM instantiates this class in every worker. In TP rank 0 `load_model`
 starts the draft sink (gRPC) on SPECSERVE_SINK_ADDRESS; other ranks propose
 nothing (vLLM uses rank 0's drafts). `propose` runs inside the engine step: it
-only reads what the sink has buffered and returns at once.
+reads what the sink has buffered and returns at once, except for the bounded
+wait after a rejection (specserve/target/sink.py; never longer than
+SPECSERVE_SINK_MAX_WAIT_MS, and only when the rate model says it pays).
 
 Configuration comes from environment variables because the engine builds this
 class itself, in its own worker processes (which inherit the environment):
   SPECSERVE_SINK_ADDRESS     host:port for the sink (required to serve drafts)
   SPECSERVE_SINK_PORT_FILE   if set, the bound port is written there
   SPECSERVE_SINK_MAX_PENDING drafted tokens buffered per request (default 64)
+  SPECSERVE_SINK_MAX_WAIT_MS upper bound of the bounded wait after a rejection
+                             with no matching branch (default 0: never wait;
+                             SpeculationConfig.max_wait_ms)
   SPECSERVE_SINK_TLS_{CA,CERT,KEY}  mutual TLS on the sink (see specserve/tls.py)
 `specserve.target.engine.TargetEngine.start` sets them.
 """
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 ENV_ADDRESS = "SPECSERVE_SINK_ADDRESS"
 ENV_PORT_FILE = "SPECSERVE_SINK_PORT_FILE"
 ENV_MAX_PENDING = "SPECSERVE_SINK_MAX_PENDING"
+ENV_MAX_WAIT_MS = "SPECSERVE_SINK_MAX_WAIT_MS"
 
 CLASS_PATH = "specserve.target.proposer.RemoteDraftProposer"
 
@@ -66,6 +72,7 @@ class RemoteDraftProposer:
             self.vocab_size,
             max_pending=max(max_pending, self.k),
             max_prompt_len=self.max_model_len,
+            max_wait_s=float(os.environ.get(ENV_MAX_WAIT_MS, "0")) / 1000.0,
         )
         from specserve.tls import TlsFiles
 

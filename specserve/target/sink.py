@@ -4,32 +4,50 @@ Owns the DraftSink gRPC server (one per target replica, in TP rank 0), the
 streams of connected drafts, and the lock around the draft book. Converts
 protobuf messages to book calls and back at this edge only.
 
-Never blocks the engine: `propose()` takes the lock only for the book's
-in-memory matching and hands verified updates to per-stream bounded queues
-without waiting. A draft that does not read its verified updates, or breaks a
+Never blocks the engine beyond a bound: `propose()` takes the lock for the
+book's in-memory matching and hands verified updates to per-stream bounded
+queues without waiting. Then, only if rows that had drafts at their last step
+find none now (a rejection with no branch for it, or a draft that fell
+behind) and the rate model says it pays (specserve.control.policy.wait_bound),
+it waits at most that long for their fresh drafts (the bounded wait) and
+proposes what arrived. A draft that does not read its verified updates, or breaks a
 stream-level bound, is cut off with a gRPC status; its requests are dropped and
 the target simply decodes them without drafts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 
 import grpc
 import numpy as np
 
-from specserve.target.book import RESOURCE_EXHAUSTED, BookError, DraftBook
+from specserve.control import policy
+from specserve.target.book import RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # gRPC refuses bigger messages; a prompt of 1M tokens fits in ~5 MiB.
 MAX_MESSAGE_BYTES = 8 << 20
+DRAFT_NAME_KEY = "x-specserve-draft"  # call metadata: "model/replica" of a draft
+EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
+
+
+@dataclasses.dataclass
+class WaitFigures:
+    """The bounded wait, per draft."""
+
+    waits: int = 0  # steps held for this draft's rows
+    wait_seconds: float = 0.0
+    steps: int = 0  # proposer steps with at least one of its rows
 
 
 class _Stream:
@@ -41,6 +59,7 @@ class _Stream:
         self.out: queue.Queue = queue.Queue(maxsize=max_queued)
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.done = threading.Event()
+        self.name = ""  # the draft's "model/replica", from the call's metadata
 
     def send(self, msg: spec_pb2.SinkMessage) -> None:
         """Queue a message; a draft that stopped reading is cut off."""
@@ -65,14 +84,32 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         max_pending: int = 64,
         max_queued_updates: int = 65536,
         max_prompt_len: int = 1 << 20,
+        max_wait_s: float = 0.0,
+        max_branches: int = 32,
+        max_branch_len: int = 16,
     ):
         self._book = DraftBook(
             vocab_size,
             max_requests=max_requests,
             max_pending=max_pending,
             max_prompt_len=max_prompt_len,
+            max_branches=max_branches,
+            max_branch_len=max_branch_len,
         )
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # drafts came in
+        self.max_wait_s = min(max(max_wait_s, 0.0), policy.MAX_WAIT_S)
+        # Estimates for the wait bound (seconds): one engine step without the
+        # wait, and one drafted token after a rejection (verified update sent ->
+        # fresh drafts in the book, per token). None until measured.
+        self._step_s: float | None = None
+        self._draft_token_s: float | None = None
+        self._first_token_s: float | None = None  # verified update out -> first fresh draft
+        self._last_propose: float | None = None
+        # key -> [when its miss's update went out, when the first fresh drafts came]
+        self._miss_sent: dict = {}
+        self._retired: dict[str, BookStats] = {}  # figures of closed streams, by draft
+        self._waits: dict[str, WaitFigures] = {}
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)
         self._max_queued = max_queued_updates
@@ -88,9 +125,19 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         active: Sequence[bool],
         k: int,
     ) -> list[list[int]]:
+        start = time.monotonic()
         with self._lock:
+            if self._last_propose is not None and start - self._last_propose < 2.0:
+                # (longer: the engine was idle, not stepping)
+                self._step_s = _ewma(self._step_s, start - self._last_propose)
             proposals, updates = self._book.propose(histories, k, max_advance=k + 1, active=active)
+            misses = list(self._book.misses)
             streams = dict(self._streams)
+            for _, key in misses:
+                self._miss_sent[key] = [start, None]
+            if len(self._miss_sent) > 4 * len(histories) + 64:
+                self._miss_sent.clear()  # forgotten rows; the next misses remeasure
+            names = {streams[key[0]].name for _, key in misses if key[0] in streams}
         for u in updates:
             stream = streams.get(u.key[0])
             if stream is not None:
@@ -101,7 +148,68 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                         )
                     )
                 )
+        if misses:
+            bound = self.wait_bound(sum(1 for a in active if a), len(misses), k)
+            if bound > 0:
+                got = self._wait(histories, misses, k, start + bound)
+                for i, tokens in got.items():
+                    proposals[i] = tokens
+                waited = time.monotonic() - start
+                with self._lock:
+                    for name in names:
+                        w = self._waits.setdefault(name, WaitFigures())
+                        w.waits += 1
+                        w.wait_seconds += waited
+        with self._lock:
+            for name in {s_.name for s_ in streams.values()}:
+                self._waits.setdefault(name, WaitFigures()).steps += 1
+            # The engine's step is the time from here to the next propose (the
+            # forward pass); a wait is not part of it.
+            self._last_propose = time.monotonic()
         return proposals
+
+    def wait_bound(self, rows: int, waiting_rows: int, k: int) -> float:
+        """Seconds to hold this step for fresh drafts (the rate model's bound)."""
+        if self.max_wait_s <= 0.0 or self._step_s is None:
+            return 0.0
+        alpha = self._book.stats.alpha
+        s = self._book.stats
+        coverage = s.rows_with_proposals / s.rows_seen if s.rows_seen else 1.0
+        # Unknown draft speed: probe with a share of the cap, then measure.
+        d = self._draft_token_s if self._draft_token_s is not None else self.max_wait_s / max(k, 1)
+        return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
+                                 self._step_s, d, coverage=coverage, max_wait_s=self.max_wait_s,
+                                 first_token_s=self._first_token_s)
+
+    def _wait(self, histories, misses, k: int, deadline: float) -> dict[int, list[int]]:
+        keys = [key for _, key in misses]
+        with self._arrived:
+            while True:
+                if all(self._book.pending(key) >= self._book.want(key, k) for key in keys):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._arrived.wait(left)
+            return self._book.refill(histories, k)
+
+    def _measure_draft(self, key, added: int) -> None:
+        """The draft's speed after a miss: the first fresh drafts' latency (round
+        trip included), then the time per token of the next ones."""
+        times = self._miss_sent.get(key)
+        if times is None:
+            return
+        now = time.monotonic()
+        if times[1] is None:
+            self._first_token_s = _ewma(self._first_token_s, now - times[0])
+            if added >= 4:  # the draft sends its tokens in bulk: no wait per token
+                self._draft_token_s = _ewma(self._draft_token_s, 0.0)
+                del self._miss_sent[key]
+            else:
+                times[1] = now
+        else:
+            self._draft_token_s = _ewma(self._draft_token_s, (now - times[1]) / added)
+            del self._miss_sent[key]
 
     def stats(self) -> dict:
         with self._lock:
@@ -109,10 +217,38 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             return {**s.__dict__, "open_requests": len(self._book), "streams": len(self._streams),
                     "request_errors": self.request_errors}
 
+    def figures(self) -> dict[str, tuple[BookStats, WaitFigures]]:
+        """Per draft name: the book's counters (closed streams included) and the wait."""
+        with self._lock:
+            out: dict[str, tuple[BookStats, WaitFigures]] = {}
+            for name, st in self._retired.items():
+                acc = BookStats()
+                acc.add(st)
+                out[name] = (acc, dataclasses.replace(self._waits.get(name, WaitFigures())))
+            for sid, stream in self._streams.items():
+                st = self._book.stream_stats.get(sid)
+                if st is None:
+                    continue
+                if stream.name not in out:
+                    out[stream.name] = (BookStats(), dataclasses.replace(
+                        self._waits.get(stream.name, WaitFigures())))
+                out[stream.name][0].add(st)
+            return out
+
+    def Stats(self, request, context) -> spec_pb2.SinkStats:
+        msg = spec_pb2.SinkStats()
+        for name, (st, w) in sorted(self.figures().items()):
+            d = msg.drafts.add(draft=name, waits=w.waits, wait_seconds=w.wait_seconds,
+                               steps=w.steps)
+            for f in dataclasses.fields(st):
+                d.counters[f.name] = getattr(st, f.name)
+        return msg
+
     # ---- the gRPC side ----------------------------------------------------------
 
     def Connect(self, request_iterator, context) -> Iterator[spec_pb2.SinkMessage]:
         stream = _Stream(next(self._ids), context.peer(), self._max_queued)
+        stream.name = dict(context.invocation_metadata() or ()).get(DRAFT_NAME_KEY, "") or "?"
         with self._lock:
             self._streams[stream.id] = stream
         log.info("draft stream %d connected from %s", stream.id, stream.peer)
@@ -134,6 +270,9 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             with self._lock:
                 self._streams.pop(stream.id, None)
                 dropped = self._book.close_all(stream.id)
+                st = self._book.stream_stats.pop(stream.id, None)
+                if st is not None:
+                    self._retired.setdefault(stream.name, BookStats()).add(st)
             log.info("draft stream %d closed (%d requests dropped); book: %s",
                      stream.id, dropped, self._book.stats)
         if stream.abort is not None:
@@ -164,9 +303,14 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                                     k=msg.open.max_draft_tokens)
                 elif kind == "draft":
                     rid = msg.draft.request_id
-                    self._book.extend(
-                        (stream.id, rid), msg.draft.position, msg.draft.token_ids
+                    key = (stream.id, rid)
+                    added = self._book.extend(
+                        key, msg.draft.position, msg.draft.token_ids,
+                        branches=[(b.fork_position, b.token_ids) for b in msg.draft.branches],
                     )
+                    if added:
+                        self._measure_draft(key, added)
+                        self._arrived.notify_all()
                 elif kind == "close":
                     rid = msg.close.request_id
                     self._book.close((stream.id, rid))
@@ -216,3 +360,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         if self._server is not None:
             self._server.stop(grace)
             self._server = None
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1.0 - EWMA) * old + EWMA * new

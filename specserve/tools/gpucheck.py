@@ -10,7 +10,9 @@ What it does, in one process, within a time budget:
  2. target-only: a step-cost profile (batch sizes) and one cell per concurrency,
  3. per K: the speculative target with a synthetic draft (`synthetic:A`,
     replaying the target's own greedy output): a profile at A = 1 and A = 0 (at
-    the first K), then one cell per (A, concurrency),
+    the first K), then one cell per (A, concurrency), with branches (pre-drafted
+    outcomes, recovery hit rate 0.6) and, at the last K and A, once more without
+    (branches on / off, with the branch hit rate and coverage after a rejection),
  4. if time is left, the draft shape's step cost (target-only engine of that
     shape), written into the profile,
  5. the simulator's prediction for every cell from the profile it measured,
@@ -148,10 +150,10 @@ class Report:
 def markdown(data: dict) -> str:
     lines = [f"# specserve gpu-check ({data['preset']})", "",
              f"Environment: `{json.dumps(data['environment'])}`", "",
-             "| system | K | A | C | tok/s | vs target-only | predicted tok/s | error "
+             "| system | K | A | C | branches | tok/s | vs target-only | predicted tok/s | error "
              "| coverage (predicted) | accept | mean acc. len (predicted) "
-             "| latency/token p50 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| branch hits | cov. after reject | latency/token p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {c["concurrency"]: c["output_tokens_per_s"] for c in data["cells"]
             if c["system"] == "target_only"}
 
@@ -163,18 +165,23 @@ def markdown(data: dict) -> str:
                  if c["concurrency"] in base else None)
         lines.append(
             f"| {c['system']} | {c['k']} | {f(c['alpha'], 'g')} | {c['concurrency']} "
+            f"| {'' if c.get('branches') is None else ('on' if c['branches'] else 'off')} "
             f"| {c['output_tokens_per_s']:.1f} | {f(ratio, '.2f')} "
             f"| {f(c.get('predicted_tokens_per_s'), '.1f')} "
             f"| {f(c.get('prediction_error'), '+.1%')} "
             f"| {f(c['coverage'], '.2f')} ({f(c.get('predicted_coverage'), '.2f')}) "
             f"| {f(c['acceptance_rate'], '.2f')} | {f(c['mean_accepted_length'], '.2f')} "
             f"({f(c.get('predicted_mean_accepted_length'), '.2f')}) "
+            f"| {f(c.get('branch_hit_rate'), '.2f')} | {f(c.get('coverage_after_rejected'), '.2f')} "
             f"| {c['latency_per_token_ms_p50']:.2f} |")
     for s in data["skipped"]:
         lines.append(f"\nskipped: {s}")
     for n in data["notes"]:
         lines.append(f"\nnote: {n}")
     return "\n".join(lines) + "\n"
+
+
+MAX_WAIT_MS = 50.0  # SpeculationConfig's default max_wait_ms, what the cells run with
 
 
 def synthetic_lookahead(w: int) -> int:
@@ -208,7 +215,10 @@ def _scenario(cell: dict, lookahead: int, prompt_len: int, seed: int):
                     alpha=cell["alpha"] if cell["alpha"] is not None else 0.0,
                     rtt_ms=ASSUMED_RTT_MS, concurrency=cell["concurrency"],
                     requests=cell["prompts"], prompt_len=prompt_len,
-                    output_len=cell["max_tokens"], seed=seed)
+                    output_len=cell["max_tokens"], seed=seed,
+                    # branches: the hit rate the cell measured; the sink's wait bound
+                    branch_hit=cell.get("branch_hit_rate") or 0.0,
+                    max_wait_ms=MAX_WAIT_MS if cell["k"] else 0.0)
 
 
 def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict],
@@ -314,9 +324,12 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
                         tuple(cfg["profile_lengths"]), vocab, 7, say)
             report.data["profile_points"] = points
             report.save()
-            for a in (cfg["alphas"] if k else [None]):
+            variants = [(a, True) for a in (cfg["alphas"] if k else [None])]
+            if k == cfg["ks"][-1]:
+                variants.append((cfg["alphas"][-1], False))  # branches off
+            for a, with_branches in variants:
                 if k:
-                    await use_synthetic(spec, a)
+                    await use_synthetic(spec, a, branches=with_branches)
                 for c in cfg["concurrency"]:
                     if time_left() < 20:
                         report.data["skipped"].append(f"{system} K={k} A={a} C={c}: budget")
@@ -326,8 +339,10 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
                     report.data["cells"].append({**cell.to_dict(),
                                                  "loadavg_1m": os.getloadavg()[0]})
                     report.save()
-                    say(f"{system} K={k} A={a} C={c}: {cell.output_tokens_per_s:.1f} tok/s, "
-                        f"coverage {cell.coverage}, accepted length {cell.mean_accepted_length}")
+                    say(f"{system} K={k} A={a} C={c} branches={cell.branches}: "
+                        f"{cell.output_tokens_per_s:.1f} tok/s, coverage {cell.coverage}, "
+                        f"accepted length {cell.mean_accepted_length}, "
+                        f"branch hits {cell.branch_hit_rate}")
     draft_points = []
     if cfg.get("draft_shape") and time_left() > 90:
         shape = SHAPES[cfg["draft_shape"]]

@@ -119,6 +119,11 @@ class Cell:
     accepted_tokens: int
     steps_with_drafts: int
     latency_per_token_ms_p50: float
+    branches: bool | None = None  # the draft pre-drafted outcomes (None: no draft)
+    # From the sink's draft book over the cell (specserve.acceptance.branches):
+    branch_hit_rate: float | None = None
+    coverage_after_rejected: float | None = None
+    wait_ms_per_step: float | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -163,7 +168,10 @@ async def run_cell(spec, prompts: list[list[int]], max_tokens: int, concurrency:
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             detokenize=False)
+    from specserve.acceptance import branches
+
     before = dataclasses.replace(spec.totals)
+    book_before = branches.total(await spec.sink_figures()) if spec.k else None
     sem = asyncio.Semaphore(concurrency)
     per_token: list[float] = []
     tokens = 0
@@ -180,7 +188,16 @@ async def run_cell(spec, prompts: list[list[int]], max_tokens: int, concurrency:
     await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
     after = spec.totals
-    return Cell(system=system, concurrency=concurrency, k=spec.k, alpha=alpha,
+    book = (branches.figures(branches.minus(branches.total(await spec.sink_figures()),
+                                            book_before))
+            if book_before is not None else {})
+    syn = getattr(spec, "synthetic", None)
+    return Cell(
+                branches=(spec.speculation.branch_fan_out > 0) if syn is not None else None,
+                branch_hit_rate=book.get("branch_hit_rate"),
+                coverage_after_rejected=book.get("coverage_after_rejected"),
+                wait_ms_per_step=book.get("wait_ms_per_step"),
+                system=system, concurrency=concurrency, k=spec.k, alpha=alpha,
                 prompts=len(prompts), max_tokens=max_tokens, output_tokens=tokens, wall_s=wall,
                 draft_tokens=after.draft_tokens - before.draft_tokens,
                 accepted_tokens=after.accepted_tokens - before.accepted_tokens,
@@ -188,15 +205,19 @@ async def run_cell(spec, prompts: list[list[int]], max_tokens: int, concurrency:
                 latency_per_token_ms_p50=percentile(per_token, 50))
 
 
-async def use_synthetic(spec, alpha: float, delay_ms: float = 0.0) -> None:
+async def use_synthetic(spec, alpha: float, delay_ms: float = 0.0,
+                        branches: bool = True) -> None:
     """Point a LocalSpec whose replay is recorded at a synthetic draft of acceptance
-    alpha: the draft process is restarted with the same replay (it is cheap: no
-    model), the target engine stays."""
+    alpha, pre-drafting branches or not: the draft process is restarted with the
+    same replay (it is cheap: no model), the target engine stays."""
     from specserve.draft.synthetic import SyntheticSpec
 
     draft = str(SyntheticSpec(alpha, delay_ms))
-    if spec.draft == draft and spec.draft_process is not None:
+    fan_out = spec.speculation.branch_fan_out
+    want = (fan_out or 3) if branches else 0
+    if spec.draft == draft and spec.draft_process is not None and fan_out == want:
         return
+    spec.speculation = spec.speculation.model_copy(update={"branch_fan_out": want})
     if spec.draft_process is not None:
         if spec._draft_channel is not None:
             await spec._draft_channel.close()

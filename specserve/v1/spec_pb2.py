@@ -24,37 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specserve/v1/spec.proto\x12\x0cspecserve.v1\"\x9a\x01\n\x0c\x44raftMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specserve.v1.OpenRequestH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specserve.v1.DraftTokensH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.CloseRequestH\x00\x42\x06\n\x04kind\"U\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\"F\n\x0b\x44raftTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"n\n\x0bSinkMessage\x12*\n\x08verified\x18\x01 \x01(\x0b\x32\x16.specserve.v1.VerifiedH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.RequestErrorH\x00\x42\x06\n\x04kind\"C\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x91\x01\n\nStartDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0csink_address\x18\x03 \x01(\t\x12\x11\n\tlookahead\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\"!\n\x0b\x43\x61ncelDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bHealthCheck\"\'\n\x08\x44raftAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2Q\n\tDraftSink\x12\x44\n\x07\x43onnect\x12\x1a.specserve.v1.DraftMessage\x1a\x19.specserve.v1.SinkMessage(\x01\x30\x01\x32\xbe\x01\n\x07\x44rafter\x12\x39\n\x05Start\x12\x18.specserve.v1.StartDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06\x43\x61ncel\x12\x19.specserve.v1.CancelDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06Health\x12\x19.specserve.v1.HealthCheck\x1a\x16.specserve.v1.DraftAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specserve/v1/spec.proto\x12\x0cspecserve.v1\"\x9a\x01\n\x0c\x44raftMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specserve.v1.OpenRequestH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specserve.v1.DraftTokensH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.CloseRequestH\x00\x42\x06\n\x04kind\"U\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\"n\n\x0b\x44raftTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08\x62ranches\x18\x04 \x03(\x0b\x32\x14.specserve.v1.Branch\"2\n\x06\x42ranch\x12\x15\n\rfork_position\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"n\n\x0bSinkMessage\x12*\n\x08verified\x18\x01 \x01(\x0b\x32\x16.specserve.v1.VerifiedH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.RequestErrorH\x00\x42\x06\n\x04kind\"C\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"7\n\tSinkStats\x12*\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftFigures\"\xbe\x01\n\x0c\x44raftFigures\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12:\n\x08\x63ounters\x18\x02 \x03(\x0b\x32(.specserve.v1.DraftFigures.CountersEntry\x12\r\n\x05waits\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x91\x01\n\nStartDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0csink_address\x18\x03 \x01(\t\x12\x11\n\tlookahead\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\"!\n\x0b\x43\x61ncelDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bHealthCheck\"\'\n\x08\x44raftAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x8f\x01\n\tDraftSink\x12\x44\n\x07\x43onnect\x12\x1a.specserve.v1.DraftMessage\x1a\x19.specserve.v1.SinkMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x17.specserve.v1.SinkStats2\xbe\x01\n\x07\x44rafter\x12\x39\n\x05Start\x12\x18.specserve.v1.StartDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06\x43\x61ncel\x12\x19.specserve.v1.CancelDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06Health\x12\x19.specserve.v1.HealthCheck\x1a\x16.specserve.v1.DraftAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.spec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._loaded_options = None
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTMESSAGE']._serialized_start=42
   _globals['_DRAFTMESSAGE']._serialized_end=196
   _globals['_OPENREQUEST']._serialized_start=198
   _globals['_OPENREQUEST']._serialized_end=283
   _globals['_DRAFTTOKENS']._serialized_start=285
-  _globals['_DRAFTTOKENS']._serialized_end=355
-  _globals['_CLOSEREQUEST']._serialized_start=357
-  _globals['_CLOSEREQUEST']._serialized_end=391
-  _globals['_SINKMESSAGE']._serialized_start=393
-  _globals['_SINKMESSAGE']._serialized_end=503
-  _globals['_VERIFIED']._serialized_start=505
-  _globals['_VERIFIED']._serialized_end=572
-  _globals['_REQUESTERROR']._serialized_start=574
-  _globals['_REQUESTERROR']._serialized_end=639
-  _globals['_STARTDRAFT']._serialized_start=642
-  _globals['_STARTDRAFT']._serialized_end=787
-  _globals['_CANCELDRAFT']._serialized_start=789
-  _globals['_CANCELDRAFT']._serialized_end=822
-  _globals['_HEALTHCHECK']._serialized_start=824
-  _globals['_HEALTHCHECK']._serialized_end=837
-  _globals['_DRAFTACK']._serialized_start=839
-  _globals['_DRAFTACK']._serialized_end=878
-  _globals['_DRAFTSINK']._serialized_start=880
-  _globals['_DRAFTSINK']._serialized_end=961
-  _globals['_DRAFTER']._serialized_start=964
-  _globals['_DRAFTER']._serialized_end=1154
+  _globals['_DRAFTTOKENS']._serialized_end=395
+  _globals['_BRANCH']._serialized_start=397
+  _globals['_BRANCH']._serialized_end=447
+  _globals['_CLOSEREQUEST']._serialized_start=449
+  _globals['_CLOSEREQUEST']._serialized_end=483
+  _globals['_SINKMESSAGE']._serialized_start=485
+  _globals['_SINKMESSAGE']._serialized_end=595
+  _globals['_VERIFIED']._serialized_start=597
+  _globals['_VERIFIED']._serialized_end=664
+  _globals['_REQUESTERROR']._serialized_start=666
+  _globals['_REQUESTERROR']._serialized_end=731
+  _globals['_STATSREQUEST']._serialized_start=733
+  _globals['_STATSREQUEST']._serialized_end=747
+  _globals['_SINKSTATS']._serialized_start=749
+  _globals['_SINKSTATS']._serialized_end=804
+  _globals['_DRAFTFIGURES']._serialized_start=807
+  _globals['_DRAFTFIGURES']._serialized_end=997
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_start=950
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_end=997
+  _globals['_STARTDRAFT']._serialized_start=1000
+  _globals['_STARTDRAFT']._serialized_end=1145
+  _globals['_CANCELDRAFT']._serialized_start=1147
+  _globals['_CANCELDRAFT']._serialized_end=1180
+  _globals['_HEALTHCHECK']._serialized_start=1182
+  _globals['_HEALTHCHECK']._serialized_end=1195
+  _globals['_DRAFTACK']._serialized_start=1197
+  _globals['_DRAFTACK']._serialized_end=1236
+  _globals['_DRAFTSINK']._serialized_start=1239
+  _globals['_DRAFTSINK']._serialized_end=1382
+  _globals['_DRAFTER']._serialized_start=1385
+  _globals['_DRAFTER']._serialized_end=1575
 # @@protoc_insertion_point(module_scope)

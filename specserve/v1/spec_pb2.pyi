@@ -27,14 +27,24 @@ class OpenRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftTokens(_message.Message):
-    __slots__ = ("request_id", "position", "token_ids")
+    __slots__ = ("request_id", "position", "token_ids", "branches")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    branches: _containers.RepeatedCompositeFieldContainer[Branch]
+    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+
+class Branch(_message.Message):
+    __slots__ = ("fork_position", "token_ids")
+    FORK_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    fork_position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fork_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -69,6 +79,37 @@ class RequestError(_message.Message):
     code: int
     message: str
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SinkStats(_message.Message):
+    __slots__ = ("drafts",)
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftFigures]
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftFigures, _Mapping]]] = ...) -> None: ...
+
+class DraftFigures(_message.Message):
+    __slots__ = ("draft", "counters", "waits", "wait_seconds", "steps")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    WAITS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    counters: _containers.ScalarMap[str, int]
+    waits: int
+    wait_seconds: float
+    steps: int
+    def __init__(self, draft: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., waits: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StartDraft(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sink_address", "lookahead", "max_tokens", "max_draft_tokens")

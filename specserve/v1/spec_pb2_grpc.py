@@ -40,6 +40,11 @@ class DraftSinkStub:
                 request_serializer=specserve_dot_v1_dot_spec__pb2.DraftMessage.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_spec__pb2.SinkMessage.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/specserve.v1.DraftSink/Stats',
+                request_serializer=specserve_dot_v1_dot_spec__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_spec__pb2.SinkStats.FromString,
+                _registered_method=True)
 
 
 class DraftSinkServicer:
@@ -50,6 +55,15 @@ class DraftSinkServicer:
         """Draft replica -> target: opens, drafts and closes requests.
         Target -> draft replica: verified tokens (so the draft can roll back) and
         per-request errors. Stream-level faults end the call with a status code.
+        A draft names itself ("model/replica") in the call's metadata under
+        x-specserve-draft; the figures in Stats are kept per name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """What the sink's draft book counted, per draft (for /v1/spec/stats, the bench).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -62,6 +76,11 @@ def add_DraftSinkServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=specserve_dot_v1_dot_spec__pb2.DraftMessage.FromString,
                     response_serializer=specserve_dot_v1_dot_spec__pb2.SinkMessage.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=specserve_dot_v1_dot_spec__pb2.StatsRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_spec__pb2.SinkStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +111,33 @@ class DraftSink:
             '/specserve.v1.DraftSink/Connect',
             specserve_dot_v1_dot_spec__pb2.DraftMessage.SerializeToString,
             specserve_dot_v1_dot_spec__pb2.SinkMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.DraftSink/Stats',
+            specserve_dot_v1_dot_spec__pb2.StatsRequest.SerializeToString,
+            specserve_dot_v1_dot_spec__pb2.SinkStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -122,3 +122,58 @@ def test_router_choice_uses_measured_cost_and_coverage_and_probes():
     assert c.pool == "good" and c.k == pool_k(good, 4, 0.0, cpu, 1) > 0
     fresh = PoolView("new", 0, 0.0, 0.0, requests=0, inflight=0)
     assert pool_k(fresh, 4, 1.0, cpu, 64) == 4
+
+
+# ---- branches and the bounded wait ---------------------------------------------------
+
+
+def test_fan_out_splits_the_budget_geometrically_and_respects_the_bounds():
+    from specserve.control.policy import fan_out
+
+    f = fan_out(0.8, positions=8, budget=12, max_fan_out=3)
+    assert sum(f) == 12 and all(0 <= x <= 3 for x in f)
+    assert f == sorted(f, reverse=True)  # fewer alternatives further out
+    assert f[0] == 3 and f[-1] < 3
+    # Poor drafts put everything near the verified position; good ones spread it.
+    near = fan_out(0.3, positions=8, budget=6, max_fan_out=6)
+    far = fan_out(0.95, positions=8, budget=6, max_fan_out=6)
+    assert near[0] > far[0] and sum(1 for x in far if x) > sum(1 for x in near if x)
+    # The split follows P_j^(1/(1+r)): the ratio of neighbours is alpha^(2/3) for r = 0.5.
+    big = fan_out(0.5, positions=3, budget=1000, max_fan_out=10**6)
+    assert abs(big[1] / big[0] - 0.5 ** (2 / 3)) < 0.01
+    assert fan_out(0.8, 4, 0, 3) == [0, 0, 0, 0] and fan_out(0.8, 0, 5, 3) == []
+    assert sum(fan_out(0.8, 4, 100, 2)) == 8  # capped by positions x max_fan_out
+    assert fan_out(0.0, 4, 5, 3) == [3, 0, 0, 0]  # never accepted: only offset 0 can reject
+
+
+def test_wait_bound_is_zero_when_waiting_does_not_pay_and_never_unbounded():
+    from specserve.control.policy import MAX_WAIT_S, wait_bound
+
+    step = 0.065
+    one = wait_bound(0.8, 4, rows=1, waiting_rows=1, step_s=step, draft_token_s=0.02)
+    assert 0.0 < one <= MAX_WAIT_S
+    assert abs(one / 0.02 - round(one / 0.02)) < 1e-9  # a whole number of draft tokens
+    # Nobody waiting, poor drafts, no known draft speed, a slow draft: no wait.
+    assert wait_bound(0.8, 4, 1, 0, step, 0.02) == 0.0
+    assert wait_bound(0.05, 4, 1, 1, step, 0.02) == 0.0
+    assert wait_bound(0.8, 4, 1, 1, step, None) == 0.0
+    assert wait_bound(0.8, 4, 1, 1, step, 1.0) == 0.0
+    # A big batch with drafts waiting: delaying everybody for one row does not pay.
+    assert wait_bound(0.8, 4, rows=64, waiting_rows=1, step_s=step, draft_token_s=0.02) == 0.0
+    # The bound falls as the batch grows, and the cap holds for any input.
+    bounds = [wait_bound(0.8, 4, r, 1, step, 0.01) for r in (1, 2, 4, 8, 16)]
+    assert bounds == sorted(bounds, reverse=True)
+    assert wait_bound(0.99, 16, 1, 1, 10.0, 0.001, max_wait_s=0.05) <= 0.05
+
+
+def test_wait_bound_counts_the_round_trip_to_the_first_fresh_draft():
+    from specserve.control.policy import wait_bound
+
+    # A draft that sends everything at once after a 3 ms round trip: wait ~3 ms.
+    w = wait_bound(0.8, 4, 1, 1, 0.065, 0.0, first_token_s=0.003)
+    assert w == 0.003
+    # 20 ms to the first token, 20 ms per token after it: whole draft tokens.
+    w = wait_bound(0.8, 4, 1, 1, 0.065, 0.02, first_token_s=0.021)
+    assert w in (0.021, 0.041, 0.061, 0.081)
+    # Without a first-token latency and no per-token time: nothing to go on.
+    assert wait_bound(0.8, 4, 1, 1, 0.065, 0.0) == 0.0

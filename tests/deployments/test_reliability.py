@@ -381,8 +381,11 @@ def test_target_replica_killed_mid_stream(app, expected):
     time.sleep(1.5)
     kill_replica(app, "target")
     killed_at = time.monotonic()
-    # The router stays up.
-    assert get(f"{app.url}/healthz", timeout=10) == (200, {"status": "ok"})
+    # The router stays up and answers at once; its health says no target
+    # replica can serve (until Serve has restarted it).
+    status, health = get(f"{app.url}/healthz", timeout=10)
+    assert (status == 503 and health["error"]["code"] == "target_unavailable"
+            or (status, health) == (200, {"status": "ok"})), (status, health)
     for t in streams + plain:
         t.join(300)
     assert not any(t.is_alive() for t in streams + plain), "an in-flight request hangs"
@@ -417,6 +420,7 @@ def test_target_replica_killed_mid_stream(app, expected):
 
     reply = wait_for(served, 300, "served again after the target restart", interval=2)
     assert reply["choices"][0]["text"] == expected[SHORT][0]
+    assert get(f"{app.url}/healthz", timeout=10) == (200, {"status": "ok"})
     for j, prompt in enumerate(PROMPTS):
         text, error, done = read_stream(app, prompt, SHORT)
         assert error is None and done and text == expected[SHORT][j]

@@ -1,50 +1,27 @@
-"""The router's K choice with the target's measured step cost (deployments/router.py),
+"""The router's K choice with the target's measured step cost (deployments/choice.py),
 with a stand-in target handle: no Ray, no engine."""
 
 import asyncio
 
 import pytest
 
-from deployments.router import COST_REFRESH_S, Router
+from deployments.choice import COST_REFRESH_S, DraftChoice
+from fake_target import FakeTarget
 from specserve.acceptance.record import Acceptance, TargetReport
+from specserve.acceptance.stats import RequestRecord, SpecStats
+from specserve.config import AppConfig
 from specserve.control import policy
-from specserve.control.controller import KController
 
 PROBE_EVERY = policy.Thresholds().probe_every
-from specserve.acceptance.stats import RequestRecord, SpecStats
-
-
-class FakeRemote:
-    def __init__(self, answer):
-        self.answer, self.calls = answer, 0
-
-    def remote(self):
-        self.calls += 1
-
-        async def reply():
-            return dict(self.answer)
-        return reply()
-
-
-class FakeTarget:
-    def __init__(self, step_cost):
-        self.spec_totals = FakeRemote({"step_cost": step_cost})
 
 
 def router(step_cost, k_max=4):
-    r = Router.__new__(Router)  # the parts choose_draft uses, without tokenizer or Ray
-    r.target = FakeTarget(step_cost)
-    r.draft_names = ["smollm2-distill"]
-    r.k_max = k_max
-    r.stats = SpecStats(k_max)
-    r.inflight = {}
-    r.capacity = 64
-    r.replicas = {"smollm2-distill": 1}
-    r.target_replicas = 1
-    r.controller = KController(k_max, r.replicas)
+    config = {"target": {"model": "/nonexistent", "engine": {"max_num_seqs": 64}},
+              "drafts": [{"name": "smollm2-distill", "model": "/nonexistent"}],
+              "speculation": {"num_speculative_tokens": k_max}}
+    r = DraftChoice(AppConfig.model_validate(config), FakeTarget(step_cost=step_cost),
+                    ["smollm2-distill"], SpecStats(k_max))
     r.controller.turn = 1
-    r._cost = (float("-inf"), None)
-    r._cost_task = None
     return r
 
 
@@ -63,11 +40,11 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         cpu = {"fixed_s": 0.015, "per_token_s": 0.004, "steps": 100}
         r = router(cpu)
         record(r)
-        first = r.choose_draft()  # nothing fetched yet: the load model decides
+        first = r.choose()  # nothing fetched yet: the load model decides
         assert r.controller.inputs["cost_source"] == "modelled" and r.controller.inputs["step_cost"] is None
         await r._cost_task  # the background fetch completes
         assert r.target.spec_totals.calls == 1
-        picks = [r.choose_draft() for _ in range(2 * PROBE_EVERY)]
+        picks = [r.choose() for _ in range(2 * PROBE_EVERY)]
         assert r.target.spec_totals.calls == 1  # cached for COST_REFRESH_S: one call
         assert r.controller.inputs["cost_source"] == "measured" and r.controller.inputs["step_cost"] == {
             k: v for k, v in cpu.items() if k != "steps"}
@@ -80,7 +57,7 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         assert all(c.k == 0 for c in picks if c.pool is None)
         # an old copy is refreshed (in the background)
         r._cost = (r._cost[0] - COST_REFRESH_S, r._cost[1])
-        r.choose_draft()
+        r.choose()
         await r._cost_task
         assert r.target.spec_totals.calls == 2
         return first
@@ -99,9 +76,9 @@ def test_cheap_verification_keeps_a_good_draft_speculating():
                              Acceptance(k=4, output_tokens=100, draft_tokens=80,
                                         accepted_histogram=(0, 1, 1, 1, 17))),
                 ttft_s=0.1, duration_s=2.0, finished_at=0.0))
-        r.choose_draft()
+        r.choose()
         await r._cost_task
-        c = r.choose_draft()
+        c = r.choose()
         assert r.controller.inputs["cost_source"] == "measured"
         assert c.pool == "smollm2-distill" and c.k == 4
         assert r.controller.inputs["pools"]["smollm2-distill"]["predicted_speedup"] > 2

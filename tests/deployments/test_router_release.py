@@ -6,48 +6,18 @@ generator), or the response dropped without ever being sent."""
 import asyncio
 import gc
 
-from deployments.router import Router
+from fake_target import FakeStream, FakeTarget, sse_answer
+from test_router import request, router
+
+EVENTS = [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
 
 
-class FakeStream:
-    """Stands in for the target's streaming DeploymentResponseGenerator."""
-
-    def __init__(self, chunks):
-        self.chunks = list(chunks)
-        self.cancelled = 0
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.chunks:
-            raise StopAsyncIteration
-        await asyncio.sleep(0)
-        return self.chunks.pop(0)
-
-    def cancel(self):
-        self.cancelled += 1
-
-
-class FakeRequest:
-    include_usage = False
-
-
-def chunk(text, finish=None):
-    return {"text": text, "token_ids": [1], "finish_reason": finish}
-
-
-def router():
-    r = Router.__new__(Router)  # no tokenizer, Ray or engine needed for _sse
-    r.model_name = "tiny"
-    r.inflight = {"pool": 1}
-    r._observe = lambda *a: None
-    return r
-
-
-def sse_response(r, stream):
-    first = stream.chunks.pop(0)
-    return r._sse("completion", FakeRequest(), "cmpl-1", 3, first, stream, 0.0, 0.0, "pool")
+async def sse_response():
+    stream = FakeStream(sse_answer(EVENTS))
+    r = router(FakeTarget([stream]))
+    response = await r(request("POST", "/v1/completions", b'{"stream": true}'))
+    assert r.choice.inflight == {"same": 1}
+    return r, stream, response
 
 
 def run_asgi(response, messages):
@@ -69,22 +39,20 @@ def run_asgi(response, messages):
 
 def test_a_stream_read_to_the_end_releases_once():
     async def main():
-        r, stream = router(), FakeStream([chunk("a"), chunk("b"), chunk("c", "length")])
-        response = sse_response(r, stream)
+        r, stream, response = await sse_response()
         call, sent = run_asgi(response, [])
         await call
         body = b"".join(m.get("body", b"") for m in sent)
-        assert b"data: [DONE]" in body and b'"text": "b"' in body.replace(b'":"', b'": "')
+        assert body == b"".join(EVENTS)
         return r, stream
 
     r, stream = asyncio.run(main())
-    assert r.inflight == {"pool": 0} and stream.cancelled == 1
+    assert r.choice.inflight == {"same": 0} and stream.cancelled == 1
 
 
 def test_a_client_gone_before_the_body_starts_releases():
     async def main():
-        r, stream = router(), FakeStream([chunk("a"), chunk("b", "length")])
-        response = sse_response(r, stream)
+        r, stream, response = await sse_response()
         call, sent = run_asgi(response, [{"type": "http.disconnect"}])
         await call
         # The disconnect won the race: no body was sent, the generator never ran ...
@@ -93,18 +61,16 @@ def test_a_client_gone_before_the_body_starts_releases():
 
     r, stream = asyncio.run(main())
     # ... and still the slot is free and the target stream cancelled.
-    assert r.inflight == {"pool": 0} and stream.cancelled == 1
+    assert r.choice.inflight == {"same": 0} and stream.cancelled == 1
 
 
 def test_a_response_never_sent_releases_when_collected():
     async def main():
-        r, stream = router(), FakeStream([chunk("a"), chunk("b", "length")])
-        response = sse_response(r, stream)
-        assert r.inflight == {"pool": 1}
+        r, stream, response = await sse_response()
         del response
         gc.collect()
         await asyncio.sleep(0.05)  # the release is handed to the loop
         return r, stream
 
     r, stream = asyncio.run(main())
-    assert r.inflight == {"pool": 0} and stream.cancelled == 1
+    assert r.choice.inflight == {"same": 0} and stream.cancelled == 1

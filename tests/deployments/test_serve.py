@@ -1,8 +1,8 @@
 """The Ray Serve app through `specserve serve`, driven by the real `openai` client.
 
 Greedy text equals transformers' target-only greedy text, through completions
-and chat, streaming and not; bad requests get a 400 with an OpenAI-style error
-and the server keeps serving; with its only draft replica killed, requests are
+and chat, streaming and not; bad requests get a 400 (an unknown model a
+404) with an OpenAI-style error and the server keeps serving; with its only draft replica killed, requests are
 still served (target alone); SIGTERM shuts everything down.
 """
 
@@ -109,13 +109,13 @@ def test_models_and_health(app):
 
 
 @pytest.mark.parametrize("path, body, needle", [
-    ("completions", {"model": "nope", "prompt": "x"}, "does not exist"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000}, "max_tokens"),
     ("completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
     ("completions", b'{"model": "tiny", "prompt": ', "JSON"),
     ("completions", {"model": "tiny", "prompt": "x" * 1100}, "context"),
-    ("chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": []}, "empty conversation"),
+    ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     ("completions", {"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 3}, "seed"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(app, path, body, needle):
@@ -126,6 +126,12 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(app, path, body, need
     status, ok = post(f"{app.url}/v1/completions",
                       {"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def test_an_unknown_model_gets_404(app):
+    status, err = post(f"{app.url}/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404 and "does not exist" in err["error"]["message"], err
+    assert err["error"]["param"] == "model"
 
 
 def test_acceptance_steers_requests_and_k(app, expected):

@@ -32,13 +32,15 @@ class FakeLink:
     def __init__(self):
         self.opened = {}
         self.drafts = []
+        self.branches = []  # per send: [(fork position, tokens)]
         self.closed = []
 
     def open(self, rid, prompt, k=0):
         self.opened[rid] = list(prompt)
 
-    def send_draft(self, rid, position, tokens):
+    def send_draft(self, rid, position, tokens, branches=()):
         self.drafts.append((rid, position, list(tokens)))
+        self.branches.append([(f, list(t)) for f, t in branches])
 
     def close_request(self, rid):
         self.closed.append(rid)
@@ -145,6 +147,169 @@ def test_many_requests_share_one_link_and_bad_starts_are_refused():
                 runner.start(**args)
         with pytest.raises(ValueError):
             runner.start("r0", [1], "sink:1", 2, 2)
+        await runner.close()
+
+    asyncio.run(main())
+
+
+# ---- branches ---------------------------------------------------------------------
+
+
+class BranchingModel(FakeModel):
+    """FakeModel plus alternatives: at each position the next-best tokens are
+    rule(seq) + 1, + 2, ...; a branch continues with the rule from there."""
+
+    def branches(self, request_id, tokens, fork, count, length):
+        out = []
+        for i in range(count):
+            seq = list(tokens[:fork]) + [(rule(tokens[:fork]) + 1 + i) % 50]
+            for _ in range(min(length, len(tokens) - fork - 1)):
+                seq.append(rule(seq))
+            out.append(seq[fork:])
+        return out
+
+
+def test_windows_carry_the_budgeted_branches_and_a_hit_continues_on_the_branch():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        link = FakeLink()
+        plan = BranchPlan(fan_out=2, budget=3, length=2)
+        runner = DraftRunner(BranchingModel(), link_factory=lambda a: link, branches=plan)
+        runner.start("r", [1, 2], "sink:1", lookahead=4, max_tokens=100)
+        await settle()
+        full = expected([1, 2], 4)
+        last = link.branches[-1]
+        # The budget of 3, split by the geometric rule (prior alpha 0.8): one
+        # alternative at each of the first three window positions.
+        assert [f for f, _ in last] == [2, 3, 4]
+        # Branches grow one token per draft step, up to `length`.
+        assert all(len(t) <= 1 + 2 and len(t) <= 1 + len(full) - f - 1 for f, t in last)
+        fork2 = dict(((f, t[0]), t) for f, t in last)
+        # The target accepts full[2], rejects full[3] and samples our branch's token.
+        alt = (rule(full[:3]) + 1) % 50
+        branch = fork2[(3, alt)]
+        runner._on_verified("r", 2, [full[2], alt])
+        await settle()
+        assert runner.stats.branches_taken == 1 and runner.stats.rollbacks == 1
+        # The next window starts with the branch's continuation, then drafts on.
+        pos, window = link.drafts[-1][1], link.drafts[-1][2]
+        assert pos == 4 and window[: len(branch) - 1] == branch[1:]
+        assert window == expected([1, 2, full[2], alt], 4)[4:]
+        # A rejection with a token we had no branch for restarts from the target's.
+        runner._on_verified("r", 4, [window[0], 49])
+        await settle()
+        assert runner.stats.branches_taken == 1 and runner.stats.rollbacks == 2
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_no_branches_without_a_plan_or_a_model_that_branches():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        for model, plan in ((BranchingModel(), None), (FakeModel(), BranchPlan()),
+                            (BranchingModel(), BranchPlan(fan_out=0))):
+            link = FakeLink()
+            runner = DraftRunner(model, link_factory=lambda a, link=link: link, branches=plan)
+            runner.start("r", [1, 2], "sink:1", lookahead=4, max_tokens=100)
+            await settle()
+            assert link.drafts and not any(link.branches)
+            await runner.close()
+
+    asyncio.run(main())
+
+
+def test_the_vllm_draft_model_branches_from_its_logprobs():
+    """VllmDraftModel with a fake engine: alternatives come from the main line's
+    logprobs, continuations from one more engine request per branch."""
+    import types
+
+    from specserve.draft.runner import VllmDraftModel
+
+    class Lp:
+        def __init__(self, logprob):
+            self.logprob = logprob
+
+    class Engine:
+        def __init__(self):
+            self.requests = []
+
+        async def generate(self, prompt, params, request_id):
+            seq = list(prompt["prompt_token_ids"])
+            self.requests.append((request_id, len(seq), params.logprobs))
+            for _ in range(params.max_tokens):
+                await asyncio.sleep(0)
+                tok = rule(seq)
+                lps = None
+                if params.logprobs:
+                    lps = [{tok: Lp(-0.1), (tok + 1) % 50: Lp(-1.0), (tok + 2) % 50: Lp(-2.0)}]
+                seq.append(tok)
+                yield types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                    token_ids=[tok], logprobs=lps)])
+
+    async def main():
+        from specserve.draft.runner import BranchPlan
+
+        engine = Engine()
+        model = VllmDraftModel(engine, 1000, fan_out=2)
+        link = FakeLink()
+        runner = DraftRunner(model, link_factory=lambda a: link,
+                             branches=BranchPlan(fan_out=2, budget=2, length=2))
+        runner.start("r", [1, 2], "sink:1", lookahead=3, max_tokens=100)
+        for _ in range(5):
+            await settle()
+        main_line = expected([1, 2], 3)
+        assert engine.requests[0][2] == 3  # top F + 1 logprobs on the main line
+        alt = (main_line[2] + 1) % 50
+        # Branch continuations ran as their own engine requests ...
+        assert any(rid.startswith("r@2:") for rid, _, _ in engine.requests)
+        # ... and later windows carry them, continued by the model's own rule.
+        sent = dict(((f, t[0]), t) for f, t in link.branches[-1])
+        assert (2, alt) in sent
+        assert sent[(2, alt)][1:] == expected([1, 2, alt], 2)[3:][: len(sent[(2, alt)]) - 1]
+        runner.cancel("r")
+        assert not model._tasks and not model._alts
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_the_budget_covers_only_the_positions_the_next_step_can_reject():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        link = FakeLink()
+        runner = DraftRunner(BranchingModel(), link_factory=lambda a: link,
+                             branches=BranchPlan(fan_out=3, budget=12, length=2, positions=3))
+        runner.start("r", [1, 2], "sink:1", lookahead=8, max_tokens=100)
+        await settle()
+        forks = [f for f, _ in link.branches[-1]]
+        assert set(forks) == {2, 3, 4} and len(forks) == 9  # K + 1 = 3 positions, F each
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_a_draft_ahead_of_the_window_still_sends_branches_for_the_new_positions():
+    from specserve.draft.runner import BranchPlan
+
+    async def main():
+        link = FakeLink()
+        runner = DraftRunner(BranchingModel(), link_factory=lambda a: link,
+                             branches=BranchPlan(fan_out=1, budget=2, length=2, positions=2))
+        runner.start("r", [1, 2], "sink:1", lookahead=6, max_tokens=100)
+        await settle()
+        full = expected([1, 2], 6)
+        drafted = runner.stats.drafted_tokens
+        # The draft stopped W ahead. The target accepts 2 tokens: right away,
+        # before drafting any new token, the draft re-sends its window from the
+        # new verified position with branches forking there.
+        runner._on_verified("r", 2, full[2:4])
+        pos, window = link.drafts[-1][1], link.drafts[-1][2]
+        assert pos == 4 and window == full[4:] and runner.stats.drafted_tokens == drafted
+        assert [f for f, _ in link.branches[-1]] == [4, 5]
         await runner.close()
 
     asyncio.run(main())

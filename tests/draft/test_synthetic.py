@@ -18,10 +18,13 @@ from specserve.draft.runner import DraftRunner
 
 
 def test_parse():
-    assert synthetic.parse("synthetic:0.8") == synthetic.SyntheticSpec(0.8, 0.0)
+    assert synthetic.parse("synthetic:0.8") == synthetic.SyntheticSpec(0.8, 0.0, 0.6)
+    assert synthetic.parse("synthetic:0.8@20ms,h0.3") == synthetic.SyntheticSpec(0.8, 20.0, 0.3)
+    assert str(synthetic.parse("synthetic:0.8@20ms,h0.3")) == "synthetic:0.8@20ms,h0.3"
     assert synthetic.parse("synthetic:1@2.5ms") == synthetic.SyntheticSpec(1.0, 2.5)
     assert str(synthetic.parse("synthetic:0.80@2ms")) == "synthetic:0.8@2ms"
-    for bad in ["synthetic:", "synthetic:1.5", "synthetic:0.8@2", "synthetic:x", "synth:0.8"]:
+    for bad in ["synthetic:", "synthetic:1.5", "synthetic:0.8@2", "synthetic:x", "synth:0.8",
+                "synthetic:0.8,h1.5", "synthetic:0.8,h"]:
         with pytest.raises(ValueError, match="synthetic"):
             synthetic.parse(bad)
     assert synthetic.is_synthetic("Synthetic:0.5") and not synthetic.is_synthetic("/models/x")
@@ -42,6 +45,48 @@ def test_corruption_rate_and_determinism(alpha):
     if 0 < alpha < 1:
         other = [synthetic.drafted_token(t, alpha, 4, digest, p, 320) for p, t in enumerate(truth)]
         assert other != drafted
+
+
+@pytest.mark.parametrize("hit", [0.0, 0.6, 1.0])
+def test_alternatives_hold_the_targets_token_at_the_recovery_hit_rate(hit):
+    rng = random.Random(2)
+    digest = synthetic.prompt_digest([1, 2])
+    corrupted = found = 0
+    ranks = [0] * synthetic.FAN_OUT
+    for p in range(20000):
+        t = rng.randrange(320)
+        main = synthetic.drafted_token(t, 0.8, 3, digest, p, 320)
+        alts = synthetic.alternatives(t, 0.8, hit, 3, digest, p, 320)
+        assert len(alts) == len(set(alts)) == synthetic.FAN_OUT and main not in alts
+        assert alts == synthetic.alternatives(t, 0.8, hit, 3, digest, p, 320)  # pure
+        if main != t:
+            corrupted += 1
+            if t in alts:
+                found += 1
+                ranks[alts.index(t)] += 1
+        else:
+            assert t not in alts  # nothing to recover where the draft was right
+    assert abs(found / corrupted - hit) < 0.03  # ~4000 draws: SE <= 0.008
+    if found:  # rank i with probability 1/(i+1) / (1 + 1/2 + 1/3)
+        shares = [n / found for n in ranks]
+        assert shares == pytest.approx([6 / 11, 3 / 11, 2 / 11], abs=0.03)
+
+
+def test_branches_follow_the_main_line_and_grow_with_it():
+    replay = synthetic.Replay([([1, 2], list(range(10, 30)))])
+    model = synthetic.SyntheticDraftModel(synthetic.parse("synthetic:0.5,h1"), replay, 320)
+    digest = synthetic.prompt_digest([1, 2])
+    seq = [1, 2, *range(10, 30)]
+    main = [1, 2] + [synthetic.drafted_token(seq[q], 0.5, 0, digest, q, 320) for q in range(2, 8)]
+    for fork in range(2, 8):
+        bs = model.branches("r", main, fork, 2, length=3)
+        assert len(bs) == 2 and all(b[0] != main[fork] for b in bs)
+        # Continued by the main line's own draws, only as far as it is drafted.
+        assert all(b[1:] == main[fork + 1 : fork + 4] for b in bs)
+        if main[fork] != seq[fork]:  # corrupted, H = 1: the target's token is offered
+            assert any(b[0] == seq[fork] for b in model.branches("r", main, fork, 4, 3))
+    assert model.branches("r", main, 1, 2, 3) == [] and model.branches("r", main, 8, 2, 3) == []
+    assert model.branches("r", [7, 7, 7], 2, 2, 3) == []  # unknown prompt
 
 
 def test_replay_lookup_and_divergence(tmp_path):

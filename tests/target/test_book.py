@@ -9,6 +9,7 @@ from specserve.target.book import (
     NOT_FOUND,
     RESOURCE_EXHAUSTED,
     BookError,
+    BookStats,
     DraftBook,
 )
 
@@ -204,3 +205,166 @@ def test_a_request_opened_with_its_own_k_gets_at_most_k_tokens():
     b.extend(("s", "r"), 1, [2, 3, 4, 5, 6])
     props, _ = b.propose([h(1, 2)], 4, 5)
     assert props == [[3, 4]]
+
+
+# ---- branches (the speculation cache) ---------------------------------------------
+
+
+def _rejected_at_40(b, branches):
+    """S = [1 2 | 5 6 7 8], verified through 5; the target then accepts 6 and
+    samples 40 instead of 7."""
+    b.open(("s", "r"), [1, 2])
+    b.extend(("s", "r"), 2, [5, 6, 7, 8], branches=branches)
+    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
+    return b.propose([h(1, 2, 5, 6, 40)], K, K + 1)
+
+
+def test_a_branch_with_the_targets_token_is_proposed_right_after_the_rejection():
+    b = book()
+    props, updates = _rejected_at_40(b, [(4, [40, 41, 42, 43, 44]), (4, [50, 51])])
+    assert props == [[41, 42, 43]]
+    assert updates[0].token_ids == [6, 40]
+    assert b.sequence(("s", "r")) == ([1, 2, 5, 6, 40, 41, 42, 43, 44], 5)
+    s = b.stats
+    assert (s.branch_hits, s.steps_after_rejected, s.covered_after_rejected) == (1, 1, 1)
+    assert b.branch_tokens == 0 and not b.misses  # the other branch is gone, the hit adopted
+    # The next step follows the adopted branch like any draft.
+    b.extend(("s", "r"), 5, [41, 42, 43, 44, 45, 46])
+    assert b.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1)[0] == [[45, 46]]
+    assert b.stats.steps_after_accepted == 1 and b.stats.covered_after_accepted == 1
+    assert b.stats.accepted_tokens == 1 + 3
+
+
+def test_a_miss_is_listed_for_the_wait_and_refilled_when_drafts_arrive():
+    b = book()
+    props, _ = _rejected_at_40(b, [(4, [50, 51]), (3, [60, 61])])
+    assert props == [[]]
+    assert b.misses == [(0, ("s", "r"))] and b.stats.wait_rows == 1
+    assert b.refill([h(1, 2, 5, 6, 40)], K) == {}  # nothing arrived yet
+    b.propose([h(9, 9)], K, K + 1)  # another step: the miss list is per step
+    assert b.misses == []
+    b2 = book()
+    _rejected_at_40(b2, [])
+    b2.extend(("s", "r"), 5, [41, 42, 43, 44])
+    assert b2.refill([h(1, 2, 5, 6, 40)], K) == {0: [41, 42, 43]}
+    assert (b2.stats.wait_hits, b2.stats.covered_after_rejected) == (1, 1)
+    # The refilled proposal is judged like any other at the next step.
+    b2.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1)
+    assert b2.stats.accepted_tokens == 1 + 3
+
+
+def test_branches_at_unknown_positions_or_without_an_alternative_are_dropped():
+    b = book()
+    b.open(("s", "r"), [1, 2])
+    b.extend(("s", "r"), 2, [5, 6, 7, 8])
+    b.propose([h(1, 2, 5, 6)], K, K + 1)  # verified through 6 (position 3)
+    bad = [(3, [41, 42]),  # forks at a verified position
+           (1, [41]),  # inside the prompt
+           (9, [41]),  # past the window
+           (5, [8, 9]),  # S's own token there: not an alternative
+           (4, [])]  # empty
+    b.extend(("s", "r"), 4, [7, 8], branches=bad)
+    assert b.stats.branches_dropped == len(bad) and b.branch_tokens == 0
+    # A stale message's branches go with it.
+    b.extend(("s", "r"), 2, [5, 99, 7], branches=[(4, [70, 71])])
+    assert b.stats.branches_dropped == len(bad) + 1 and b.branch_tokens == 0
+    assert b.propose([h(1, 2, 5, 6, 7)], K, K + 1)[0] == [[8]]
+
+
+def test_branch_floods_are_cut_at_the_bounds():
+    b = book(max_branches=4, max_branch_len=3, max_branch_tokens=10)
+    b.open(("s", "r"), [1, 2])
+    flood = [(2 + j % 4, [50 + j, 1, 2, 3, 4, 5]) for j in range(40)]
+    b.extend(("s", "r"), 2, [5, 6, 7, 8], branches=flood)
+    entry_branches = b._entries[("s", "r")].branches
+    assert len(entry_branches) <= 4 and all(len(t) <= 3 for t in entry_branches.values())
+    assert b.branch_tokens <= 10
+    assert b.stats.branches_buffered + b.stats.branches_dropped == 40
+    b.close(("s", "r"))
+    assert b.branch_tokens == 0
+
+
+def test_branches_die_when_their_position_is_verified_or_s_changes_before_them():
+    b = book()
+    b.open(("s", "r"), [1, 2])
+    b.extend(("s", "r"), 2, [5, 6, 7, 8], branches=[(3, [60, 61]), (5, [80, 81])])
+    assert b.branch_tokens == 4
+    b.propose([h(1, 2, 5, 6)], K, K + 1)  # position 3 verified as 6: (3, 60) is dead
+    assert b.branch_tokens == 2
+    # A newer window for the same verified history replaces S from position 4 on,
+    # and the branch that forked off the old S there goes too.
+    b.extend(("s", "r"), 4, [70, 71])
+    assert b.sequence(("s", "r"))[0] == [1, 2, 5, 6, 70, 71]
+    assert b.branch_tokens == 0 and b.stats.rewritten_messages == 1
+
+
+def test_hostile_branches_keep_memory_bounded():
+    rng = np.random.default_rng(1)
+    b = book(max_requests=8, max_pending=8, max_branches=6, max_branch_len=5,
+             max_branch_tokens=100)
+    for i in range(8):
+        b.open(("s", str(i)), [1, 2, 3])
+    for step in range(3000):
+        rid = str(int(rng.integers(0, 8)))
+        pos = int(rng.integers(0, 14))
+        branches = [(int(rng.integers(0, 16)), rng.integers(0, 100, int(rng.integers(0, 9))).tolist())
+                    for _ in range(int(rng.integers(0, 12)))]
+        b.extend(("s", rid), pos, rng.integers(0, 100, 4).tolist(), branches=branches)
+        if step % 7 == 0:
+            hist = [h(1, 2, 3, *rng.integers(0, 100, int(rng.integers(0, 3))).tolist())]
+            b.propose(hist, K, K + 1)
+        assert b.branch_tokens <= 100
+    total = sum(e.branch_tokens for e in b._entries.values())
+    assert total == b.branch_tokens
+    for e in b._entries.values():
+        assert len(e.branches) <= 6
+        assert all(len(t) <= 5 and fork >= e.verified for (fork, _), t in e.branches.items())
+
+
+def test_conditional_acceptance_is_exact_with_short_windows():
+    """vLLM's per-position counters cannot tell a short window from a
+    rejection; the book knows what it proposed."""
+    from specserve.acceptance.record import position_trials
+
+    b = book()
+    b.open(("s", "r"), [1])
+    b.extend(("s", "r"), 1, [2, 3])
+    assert b.propose([h(1, 2)], K, K + 1)[0] == [[3]]  # a window of one
+    b.extend(("s", "r"), 3, [4, 5, 6])
+    assert b.propose([h(1, 2, 3, 4)], K, K + 1)[0] == [[5, 6]]  # 3 accepted, bonus 4
+    b.propose([h(1, 2, 3, 4, 9)], K, K + 1)  # 5 rejected
+    s = b.stats
+    assert (s.accepted_tokens, s.alpha_trials) == (1, 2) and s.alpha == 0.5
+    assert (s.steps_after_accepted, s.steps_after_rejected) == (1, 1)
+    # From vLLM's counters (drafted per position [2, 1], accepted [1, 0]) the
+    # estimate cannot know position 1 was never tried after the short window.
+    assert sum([1, 0]) / sum(position_trials([1, 0], [2, 1])) == 1 / 3
+
+
+def test_stats_are_kept_per_stream_too():
+    b = book()
+    b.open((1, "r"), [1, 2])
+    b.open((2, "r"), [3, 4])
+    b.extend((1, "r"), 2, [5, 6], branches=[(2, [7, 8])])
+    b.extend((2, "r"), 2, [9])
+    b.propose([h(1, 2, 7), h(3, 4, 9)], K, K + 1)
+    assert b.stream_stats[1].branch_messages == 1 and b.stream_stats[2].branch_messages == 0
+    b.propose([h(1, 2, 7, 8), h(3, 4, 9, 10)], K, K + 1)
+    total = BookStats()
+    for st in b.stream_stats.values():
+        total.add(st)
+    assert total.verified_steps == b.stats.verified_steps == 1
+
+
+def test_a_wrong_token_after_the_accepted_window_is_a_rejection_too():
+    """All proposed tokens accepted, but S's next token (the bonus position)
+    is not the target's: the branch for it is taken, and it counts as a
+    rejection (the draft's token there was wrong)."""
+    b = book()
+    b.open(("s", "r"), [1, 2])
+    b.extend(("s", "r"), 2, [5, 6, 7, 8, 9], branches=[(6, [60, 61, 62])])
+    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
+    props, _ = b.propose([h(1, 2, 5, 6, 7, 8, 60)], K, K + 1)  # 9 was wrong: 60
+    assert props == [[61, 62]]
+    s = b.stats
+    assert (s.steps_after_rejected, s.branch_hits, s.accepted_tokens) == (1, 1, 3)

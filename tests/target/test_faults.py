@@ -2,7 +2,9 @@
 
 - Garbage on the wire (random ids, wrong positions, unknown requests, floods, and
   a hostile draft that answers every verified update with wrong tokens for the
-  real requests' rows) changes no output token and crashes nothing.
+  real requests' rows, with branches that the target takes and that continue
+  with garbage, floods of branches past the bounds and at unknown positions,
+  and the bounded wait on) changes no output token and crashes nothing.
 - Killing the draft process mid-generation: requests complete, same output.
 """
 
@@ -56,9 +58,10 @@ def slow_target_env():
 
 class HostileDraft(threading.Thread):
     """A draft stream that opens the real requests' prompts and, whenever the sink
-    reports verified tokens, drafts the target's true next token (it knows the
-    reference output) followed by random tokens: its garbage is proposed to the
-    real requests' rows and reaches the target's verifier at (almost) every step."""
+    reports verified tokens, drafts random tokens with a branch that knows the
+    target's true next token (it knows the reference output), continued with
+    random tokens: the branch matches the real requests' rows after every
+    rejection, and its garbage reaches the target's verifier at (almost) every step."""
 
     def __init__(self, address, prompts_ids, answers, vocab, seed=0):
         super().__init__(daemon=True)
@@ -95,10 +98,22 @@ class HostileDraft(threading.Thread):
             pass
 
     def garbage(self, rid):
+        """Wrong tokens from the verified position on, and a branch forking
+        right there with the target's true next token, then garbage: the step
+        that rejects the window takes the branch and verifies its garbage."""
         n = len(self.history[rid])
-        truth = self.answers[rid][n : n + 1]
-        junk = self.rng.integers(0, self.vocab, 6).tolist()
-        self.send(draft=spec_pb2.DraftTokens(request_id=rid, position=n, token_ids=truth + junk))
+        answer = self.answers[rid]
+        junk = self.rng.integers(0, self.vocab, 7).tolist()
+        branches = []
+        if n < len(answer) and junk[0] != answer[n]:
+            branches.append(spec_pb2.Branch(
+                fork_position=n, token_ids=[answer[n], *self.rng.integers(0, self.vocab, 6).tolist()]))
+        for _ in range(40):  # past the per-request bound, at unknown positions, too long
+            branches.append(spec_pb2.Branch(
+                fork_position=int(self.rng.integers(0, n + 16)),
+                token_ids=self.rng.integers(0, self.vocab, int(self.rng.integers(1, 40))).tolist()))
+        self.send(draft=spec_pb2.DraftTokens(request_id=rid, position=n, token_ids=junk,
+                                             branches=branches))
 
     def stop(self):
         self.out.put(None)
@@ -158,8 +173,10 @@ def test_garbage_on_the_wire_changes_no_output(tiny_models, reference, loop):
     tok = AutoTokenizer.from_pretrained(str(tiny_models["target"]))
     slow_target_env()
     settings = EngineSettings(dtype="float32", kv_cache_gib=1)
+    from specserve.config import SpeculationConfig
+
     spec = LocalSpec(str(tiny_models["target"]), None, k=4, lookahead=8, settings=settings,
-                     sink_only=True)
+                     sink_only=True, speculation=SpeculationConfig(max_wait_ms=50))
     try:
         loop.run(spec.__aenter__())
         vocab = 320
@@ -182,6 +199,9 @@ def test_garbage_on_the_wire_changes_no_output(tiny_models, reference, loop):
         # (about one true token per step, then garbage)
         assert spec.totals.acceptance_rate < 0.5, spec.totals
         assert hostile.verified_updates > 0
+        # ... branches were taken (and their garbage rejected), floods dropped ...
+        book = loop.run(spec.sink_figures())["?"]
+        assert book["branch_hits"] > 0 and book["branches_dropped"] > 0, book
         # ... the flood was cut off with a status code ...
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes, codes
         # ... and the engine still serves.

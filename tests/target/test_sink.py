@@ -24,12 +24,14 @@ def sink():
 class Client:
     """A draft stream driven from the test: push messages, read replies."""
 
-    def __init__(self, port):
+    def __init__(self, port, name=None):
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.out: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
         self.status = None
-        call = spec_pb2_grpc.DraftSinkStub(self.channel).Connect(iter(self.out.get, None))
+        metadata = [("x-specserve-draft", name)] if name else None
+        call = spec_pb2_grpc.DraftSinkStub(self.channel).Connect(iter(self.out.get, None),
+                                                                metadata=metadata)
         self.thread = threading.Thread(target=self._read, args=(call,), daemon=True)
         self.thread.start()
 
@@ -46,9 +48,10 @@ class Client:
         self.out.put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
             request_id=rid, prompt_token_ids=prompt)))
 
-    def draft(self, rid, position, tokens):
+    def draft(self, rid, position, tokens, branches=()):
         self.out.put(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
-            request_id=rid, position=position, token_ids=tokens)))
+            request_id=rid, position=position, token_ids=tokens,
+            branches=[spec_pb2.Branch(fork_position=f, token_ids=t) for f, t in branches])))
 
     def reply(self, timeout=5):
         return self.replies.get(timeout=timeout)
@@ -143,8 +146,11 @@ def test_a_flood_stays_within_the_buffer_bounds(sink):
     for _ in range(3000):
         c.draft("r", 1, rng.integers(0, 100, 64).tolist())
     assert wait_for(lambda: sink.stats()["draft_messages"] == 3000, timeout=30)
-    stats = sink.stats()
-    assert stats["draft_tokens_buffered"] <= 16  # max_pending
+    # Each message is a newer window for the same verified history, so each
+    # replaces the last; what is held stays within max_pending.
+    (key,) = [k for k in sink._book._entries]
+    seq, verified = sink._book.sequence(key)
+    assert len(seq) - verified <= 16  # max_pending
     proposals = sink.propose([h(1)], [True], k=4)
     assert len(proposals[0]) <= 4
     c.close()
@@ -273,3 +279,94 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
     down_since, up_since = asyncio.run(main())
     assert down_since is not None
     assert got == [("r", 2, [3])] and up_since is None  # the working stream delivered
+
+
+# ---- branches and the bounded wait ------------------------------------------------
+
+
+def test_branches_travel_the_wire_and_the_figures_are_kept_per_draft(sink):
+    c = Client(sink.port, name="tiny/replica-0")
+    c.open("r", [1, 2])
+    c.draft("r", 2, [5, 6, 7, 8], branches=[(4, [40, 41, 42])])
+    assert wait_for(lambda: sink.stats()["branches_buffered"] == 1)
+    assert sink.propose([h(1, 2, 5)], [True], k=3) == [[6, 7, 8]]
+    # 6 accepted, 40 instead of 7: the branch is proposed in the same step.
+    assert sink.propose([h(1, 2, 5, 6, 40)], [True], k=3) == [[41, 42]]
+    stats = spec_pb2_grpc.DraftSinkStub(c.channel).Stats(spec_pb2.StatsRequest())
+    (d,) = stats.drafts
+    assert d.draft == "tiny/replica-0"
+    assert d.counters["branch_hits"] == 1 and d.counters["steps_after_rejected"] == 1
+    assert d.steps == 2 and d.waits == 0
+    c.close()
+    # A closed stream's figures stay, under its draft's name.
+    assert wait_for(lambda: sink.stats()["open_requests"] == 0)
+    assert sink.figures()["tiny/replica-0"][0].branch_hits == 1
+
+
+REJECTED = h(1, 2, 5, 6, 7, 8, 9, 10, 40)
+
+
+def _rejected(sink, c, step_s=0.1):
+    """Open r with drafts [5 .. 11]; one step accepts all, the next rejects 11
+    (conditional acceptance 0.8); REJECTED is the history then, no branch."""
+    c.open("r", [1, 2])
+    c.draft("r", 2, [5, 6, 7, 8, 9, 10, 11])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 7)
+    assert sink.propose([h(1, 2, 5)], [True], k=3) == [[6, 7, 8]]
+    assert sink.propose([h(1, 2, 5, 6, 7, 8, 9)], [True], k=3) == [[10, 11]]
+    sink._step_s = step_s  # a target of this step time (measured in a real engine)
+    c.reply(), c.reply()
+
+
+def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
+    sink = DraftSink(vocab_size=100, max_pending=16, max_wait_s=0.2)
+    sink.start("127.0.0.1:0")
+    try:
+        c = Client(sink.port)
+        _rejected(sink, c)
+        sink._draft_token_s = 0.03  # the draft's measured speed
+
+        def answer():
+            msg = c.reply()  # the verified update goes out before the wait
+            assert list(msg.verified.token_ids) == [10, 40]
+            time.sleep(0.02)
+            c.draft("r", 9, [41, 42, 43])
+
+        t = threading.Thread(target=answer)
+        t.start()
+        t0 = time.monotonic()
+        props = sink.propose([REJECTED], [True], k=3)
+        waited = time.monotonic() - t0
+        t.join()
+        assert props == [[41, 42, 43]]
+        assert waited < 0.2
+        s = sink.stats()
+        assert s["wait_hits"] == 1 and s["covered_after_rejected"] == 1
+        (st, w) = sink.figures()["?"]
+        assert w.waits == 1 and 0 < w.wait_seconds < 0.2
+        c.close()
+    finally:
+        sink.stop()
+
+
+def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
+    sink = DraftSink(vocab_size=100, max_pending=16, max_wait_s=0.08)
+    sink.start("127.0.0.1:0")
+    try:
+        c = Client(sink.port)
+        _rejected(sink, c)
+        sink._draft_token_s = 0.01
+        t0 = time.monotonic()
+        assert sink.propose([REJECTED], [True], k=3) == [[]]  # nothing ever comes
+        bound = sink.wait_bound(rows=1, waiting_rows=1, k=3)
+        assert 0 < bound <= 0.08
+        assert time.monotonic() - t0 < bound + 0.05
+        # A draft too slow to pay for the wait, or a big batch: no wait at all.
+        sink._draft_token_s = 1.0
+        assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == 0.0
+        sink._draft_token_s = 0.01
+        assert sink.wait_bound(rows=64, waiting_rows=1, k=3) == 0.0
+        c.close()
+    finally:
+        sink.stop()
+    assert DraftSink(vocab_size=100).wait_bound(1, 1, 3) == 0.0  # max_wait_s 0: never

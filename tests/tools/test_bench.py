@@ -72,6 +72,15 @@ def test_summarize_rows_and_comparisons():
     assert syn["verify_step_cost"] == pytest.approx(cost)
     assert syn["ideal_speedup"] == pytest.approx(benchstats.expected_tokens(0.8, 4) / cost)
     assert syn["share_of_ideal"] == pytest.approx(2.0 / syn["ideal_speedup"])
+    # Without a draft delay a co-located draft could reach the ideal; with one
+    # of D per draft step, K of them come before every verify step.
+    assert syn["colocated_bound"] == pytest.approx(syn["ideal_speedup"])
+    syn["synthetic_delay_ms"] = 25.0
+    report.add_comparisons(rows)
+    tpot0 = base["tpot_mean_ms"]
+    assert syn["colocated_bound"] == pytest.approx(
+        benchstats.expected_tokens(0.8, 4) / (cost + 4 * 25.0 / tpot0))
+    assert syn["share_of_colocated"] == pytest.approx(2.0 / syn["colocated_bound"])
 
 
 def test_category_rows_and_pooling():
@@ -211,3 +220,20 @@ def test_json_and_png_written(tmp_path):
     png = report.write_outputs(out, str(tmp_path / "b.json"), None)
     assert png == tmp_path / "b.png" and png.read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "b.json").read_text())["results"][0]["system"] == "target_only"
+
+
+def test_vllm_serve_runs_vllms_server_with_the_targets_engine_settings(tmp_path):
+    from specserve.target.engine import EngineSettings
+    from specserve.tools.bench.vllm_serve import VllmServeBackend
+
+    s = EngineSettings(max_model_len=512, seed=3, dtype="float32", kv_cache_gib=2)
+    b = VllmServeBackend("/models/t", "/models/d", 4, s, tmp_path)
+    cmd = b.command(8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    flags = " ".join(cmd)
+    for part in ("--model /models/t", "--dtype float32", "--seed 3", "--max-num-seqs 64",
+                 "--max-model-len 512", "--enforce-eager", "--enable-prefix-caching",
+                 "--port 8123", f"--served-model-name {b.name}"):
+        assert part in flags, (part, flags)
+    assert b.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert b.counters().draft_tokens == 0

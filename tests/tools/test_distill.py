@@ -260,3 +260,14 @@ def test_ensure_default_draft_builds_a_loadable_compatible_model(tmp_path, monke
     assert models.ensure_default_draft(progress=messages.append) == draft_dir
     assert any("assembling" in m for m in messages)
     assert (draft_dir / models.COMPLETE_MARKER).read_text().strip() != "an older draft"
+
+
+def test_recovery_hits_count_the_targets_token_among_the_next_best():
+    from specserve.tools.distill.recipe import recovery_hits
+
+    ranked = [[5, 6, 7, 8],  # right: not counted
+              [1, 9, 2, 3],  # wrong; the target's 9 is the best alternative
+              [1, 2, 3, 9],  # wrong; 9 is third
+              [1, 2, 3, 4]]  # wrong; 9 not in the top 4
+    hits, misses = recovery_hits(ranked, [5, 9, 9, 9], fan_outs=(1, 2, 3))
+    assert misses == 3 and hits == {1: 1, 2: 1, 3: 2}

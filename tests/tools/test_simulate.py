@@ -265,3 +265,38 @@ def test_cli(tmp_path):
     assert bad.returncode == 2 and "lookahead" in bad.stderr
     bad = run_cli("simulate", "--target-step-ms", "10", "--sweep-k", "0,4")
     assert bad.returncode == 2 and "price" in bad.stderr
+
+
+def test_branches_cover_the_step_after_a_rejection():
+    """Instant draft, RTT R = 4 ms < T: after a rejection the next step starts
+    before the draft heard of it, so without branches it runs draftless (the
+    late-drafts chain above). With branch_hit = 1 every rejection's outcome was
+    pre-drafted: every decode step finds drafts and the throughput is the ideal
+    E(alpha, K) / T; with branch_hit = h, a share h of those steps is covered."""
+    alpha, k = 0.7, 3
+    base = dict(k=k, alpha=alpha, lookahead=4 * k, rtt_ms=4.0, requests=4, output_len=2000)
+    none = simulate(profile(), one_request(**base))
+    full = simulate(profile(), one_request(**base, branch_hit=1.0))
+    half = simulate(profile(), one_request(**base, branch_hit=0.5))
+    ideal = expected_tokens(alpha, k) / T * 1000
+    assert none.branch_hits == 0 and none.throughput_tok_s < 0.85 * ideal
+    assert full.branch_hit_rate == 1.0 and full.throughput_tok_s == pytest.approx(ideal, rel=0.04)
+    assert full.coverage > 0.99 * (full.request_steps - 8) / full.request_steps
+    assert none.throughput_tok_s < half.throughput_tok_s < full.throughput_tok_s
+    assert half.branch_hit_rate == pytest.approx(0.5, abs=0.05)
+
+
+def test_the_bounded_wait_holds_steps_only_when_it_pays():
+    """Draft 3 ms a token, T = 30 ms: after a rejection without a branch, holding
+    the step a few draft tokens pays at one request; the waits are bounded."""
+    base = dict(k=4, alpha=0.8, lookahead=8, rtt_ms=1.0, requests=2, output_len=400)
+    p = profile(draft_ms=3.0, target_ms=30.0)
+    plain = simulate(p, one_request(**base))
+    waited = simulate(p, one_request(**base, max_wait_ms=20.0))
+    assert plain.waits == 0 and waited.waits > 0
+    assert waited.wait_ms / waited.waits <= 20.0
+    assert waited.coverage > plain.coverage
+    assert waited.throughput_tok_s > plain.throughput_tok_s
+    # A draft too slow to pay for any wait: never held.
+    slow = simulate(profile(draft_ms=40.0, target_ms=30.0), one_request(**base, max_wait_ms=20.0))
+    assert slow.waits == 0

@@ -9,6 +9,7 @@ request; never aggregates (that is `report`) or schedules (that is `run`).
 - LocalBackend           target_only, specserve, specserve_synthetic (a LocalSpec);
 - VllmDraftModelBackend  vLLM's co-located speculative_config "draft_model";
 - HttpBackend            the whole Ray Serve app (`specserve serve`) over HTTP.
+- VllmServeBackend       vLLM's own OpenAI server, target only (vllm_serve.py).
 """
 
 from __future__ import annotations
@@ -99,12 +100,21 @@ class LocalBackend:
     def counters(self) -> Counters:
         return _totals_counters(self.spec.totals)
 
+    async def book(self) -> dict | None:
+        """The sink's per-draft counters added up (specserve.acceptance.branches)."""
+        from specserve.acceptance import branches
+
+        return branches.total(await self.spec.sink_figures()) if self.k > 0 else None
+
     def extra(self) -> dict:
+        syn = self.spec.synthetic
+        out = ({"synthetic_delay_ms": syn.delay_ms, "synthetic_recovery_hit": syn.recovery_hit}
+               if syn is not None else {})
         c = self.spec.controller
         if c is None:
-            return {}
+            return out
         fit = self.spec.target_engine.step_costs.fit()
-        return {"adaptive_k": {str(k): n for k, n in sorted(c.decisions.items())},
+        return {**out, "adaptive_k": {str(k): n for k, n in sorted(c.decisions.items())},
                 "adaptive_reason": c.last.reason if c.last else None,
                 "fitted_step_ms": fit and fit[0] * 1e3,
                 "fitted_ms_per_verified_token": fit and fit[1] * 1e3}
@@ -257,11 +267,17 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
                 a.target, a.draft, k=a.k, lookahead=2 * a.k, settings=s, adaptive_k=True))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
-                spec = f"synthetic:{alpha:g}" + (f"@{a.synthetic_delay_ms:g}ms"
-                                                 if a.synthetic_delay_ms else "")
+                spec = (f"synthetic:{alpha:g}"
+                        + (f"@{a.synthetic_delay_ms:g}ms" if a.synthetic_delay_ms else "")
+                        + f",h{a.synthetic_recovery_hit:g}")
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
                     "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, lookahead=2 * a.k,
                                                      settings=s, replay=replay()), alpha)))
+        elif system == "vllm_serve":
+            from specserve.tools.bench.vllm_serve import VllmServeBackend
+
+            out.append((system, None, lambda: VllmServeBackend(a.target, a.draft, a.k, s,
+                                                               workdir / "vllm_serve")))
         elif system == "specserve_http":
             out.append((system, None, lambda: HttpBackend(a.target, a.draft, a.k, s, workdir)))
     return out

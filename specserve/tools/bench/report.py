@@ -79,17 +79,23 @@ def category_rows(system: str, concurrency: int, alpha: float | None,
 
 
 def add_comparisons(rows: list[dict]) -> None:
-    """Ratios against target_only and vllm_draft_model at the same concurrency,
-    and for synthetic rows the ideal speedup and the share of it reached."""
+    """Ratios against target_only, vllm_draft_model and (over HTTP) vllm_serve at
+    the same concurrency, and for synthetic rows the ideal speedup and the share
+    of it reached."""
     base = {r["concurrency"]: r for r in rows if r["system"] == "target_only"}
     vdm = {r["concurrency"]: r for r in rows if r["system"] == "vllm_draft_model"}
+    serve = {r["concurrency"]: r for r in rows if r["system"] == "vllm_serve"}
     for r in rows:
         b, v = base.get(r["concurrency"]), vdm.get(r["concurrency"])
+        vs = serve.get(r["concurrency"])
+        r["speedup_vs_vllm_serve"] = benchstats.ratio(
+            r["output_tokens_per_s"], vs and vs["output_tokens_per_s"])
         r["speedup_vs_target_only"] = benchstats.ratio(
             r["output_tokens_per_s"], b and b["output_tokens_per_s"])
         r["speedup_vs_vllm_draft_model"] = benchstats.ratio(
             r["output_tokens_per_s"], v and v["output_tokens_per_s"])
         r["verify_step_cost"] = r["ideal_speedup"] = r["share_of_ideal"] = None
+        r["colocated_bound"] = r["share_of_colocated"] = None
         if r["system"] == "specserve_synthetic" and b and b.get("tpot_mean_ms") \
                 and r.get("tpot_mean_ms"):
             # Time of one verify step (K drafts) over one target-only step.
@@ -98,6 +104,10 @@ def add_comparisons(rows: list[dict]) -> None:
             r["ideal_speedup"] = benchstats.ideal_speedup(r["alpha"], r["k"], cost)
             r["share_of_ideal"] = benchstats.ratio(r["speedup_vs_target_only"],
                                                    r["ideal_speedup"])
+            r["colocated_bound"] = benchstats.colocated_bound(
+                r["alpha"], r["k"], cost, (r.get("synthetic_delay_ms") or 0.0) / b["tpot_mean_ms"])
+            r["share_of_colocated"] = benchstats.ratio(r["speedup_vs_target_only"],
+                                                       r["colocated_bound"])
 
 
 def pool(rounds: list[dict]) -> dict:
@@ -110,7 +120,9 @@ def pool(rounds: list[dict]) -> dict:
         out[key] = sum(r[key] for r in rounds)
     out["output_tokens_per_s"] = out["output_tokens"] / out["wall_s"]
     for key in ("tpot_p50_ms", "tpot_p99_ms", "tpot_mean_ms", "ttft_p50_ms",
-                "conditional_acceptance", "mean_accepted_length", "coverage", "tokens_per_step"):
+                "conditional_acceptance", "mean_accepted_length", "coverage", "tokens_per_step",
+                "book_alpha", "coverage_after_accepted", "coverage_after_rejected",
+                "branch_hit_rate", "wait_ms_per_step"):
         vals = [(r[key], r["output_tokens"]) for r in rounds if r.get(key) is not None]
         out[key] = (sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1)
                     if vals else None)
@@ -123,11 +135,16 @@ def pool(rounds: list[dict]) -> dict:
 TABLE = [("system", "system"), ("alpha", "α"), ("concurrency", "C"), ("k", "K"),
          ("output_tokens_per_s", "tok/s"), ("speedup_vs_target_only", "× target_only"),
          ("speedup_vs_vllm_draft_model", "× vllm_draft_model"),
+         ("speedup_vs_vllm_serve", "× vllm_serve"),
          ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
          ("ttft_p50_ms", "TTFT p50 ms"), ("acceptance_rate", "accepted/drafted"),
          ("conditional_acceptance", "cond. acceptance"),
          ("mean_accepted_length", "mean acc. len"), ("coverage", "coverage"),
-         ("ideal_speedup", "ideal ×"), ("share_of_ideal", "share of ideal")]
+         ("ideal_speedup", "ideal ×"), ("share_of_ideal", "share of ideal"),
+         ("colocated_bound", "co-located ×"), ("book_alpha", "book α"),
+         ("coverage_after_accepted", "cov. after accept"),
+         ("coverage_after_rejected", "cov. after reject"),
+         ("branch_hit_rate", "branch hits"), ("wait_ms_per_step", "wait ms/step")]
 
 CATEGORY_TABLE = [("system", "system"), ("alpha", "α"), ("concurrency", "C"),
                   ("category", "category"), ("request_tokens_per_s", "tok/s per request"),

@@ -12,6 +12,9 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
                       (LocalSpec), with adaptive K (specserve/control/controller.py);
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
+- vllm_serve          vLLM's own OpenAI server on the target alone, same
+                      engine settings, same streaming client as specserve_http
+                      (specserve/tools/bench/vllm_serve.py): the HTTP baseline;
 - specserve_http      the whole Ray Serve app (`specserve serve` in a
                       subprocess) over HTTP with streaming chat completions.
 
@@ -88,10 +91,11 @@ async def run_level(backend, prompts: list[Prompt], concurrency: int, params: di
 async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: dict | None):
     """All concurrency levels on one started backend: (rows, category rows, mismatches)."""
     rows, cats, mismatches, first = [], [], [], None
-    speculative = backend.system != "target_only"
+    speculative = backend.system not in ("target_only", "vllm_serve")
     for c in a.concurrency:
         await backend.generate(prompts[0], {**params, "max_tokens": min(8, a.max_tokens)})
         before = backend.counters()
+        book_before = await backend.book() if hasattr(backend, "book") else None
         label = backend.system + (f" α={backend.alpha:g}" if backend.alpha is not None else "")
         results, wall = await run_level(
             backend, prompts, c, params,
@@ -102,6 +106,10 @@ async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: di
         row = summarize(backend.system, c, backend.alpha, backend.k, results, wall, counters,
                         speculative)
         row.update(backend.extra())
+        if book_before is not None:
+            from specserve.acceptance import branches
+
+            row.update(branches.figures(branches.minus(await backend.book(), book_before)))
         if reference is not None:
             bad = [r for r in results if reference.get(r.prompt.question_id) is not None
                    and not _same(r, reference[r.prompt.question_id])]
@@ -239,7 +247,11 @@ def add_arguments(p, positive_int, temperature) -> None:
     p.add_argument("--synthetic-alpha", type=float, nargs="+", dest="alphas",
                    help="acceptance A of the synthetic draft rows, one row per A")
     p.add_argument("--synthetic-delay-ms", type=float, default=0.0,
-                   help="per-token delay of the synthetic draft (default 0: instant)")
+                   help="delay of the synthetic draft per draft step (main line and all "
+                        "branches: one step; default 0: instant)")
+    p.add_argument("--synthetic-recovery-hit", type=float, default=0.6,
+                   help="H: where the synthetic draft errs, its alternatives hold the "
+                        "target's token with this probability (default 0.6)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
@@ -272,5 +284,6 @@ def bench_args(args, target: str, draft: str | None) -> BenchArgs:
         concurrency=pick("concurrency"), alphas=alphas, k=args.num_speculative_tokens,
         systems=list(dict.fromkeys(args.systems)), rounds=pick("rounds"), dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-        ignore_eos=not args.no_ignore_eos, synthetic_delay_ms=args.synthetic_delay_ms)
+        ignore_eos=not args.no_ignore_eos, synthetic_delay_ms=args.synthetic_delay_ms,
+        synthetic_recovery_hit=args.synthetic_recovery_hit)
 

@@ -22,6 +22,14 @@ def ideal_speedup(alpha: float, k: int, verify_step_cost: float) -> float:
     return expected_tokens(alpha, k) / verify_step_cost
 
 
+def colocated_bound(alpha: float, k: int, verify_step_cost: float, draft_step: float) -> float:
+    """The most a co-located draft of the same speed could reach, as a speedup
+    over target-only: it drafts K tokens one draft step each (`draft_step`, in
+    target-only steps) before every verify step, in series with it:
+    E(α, K) / (verify_step_cost + K · draft_step)."""
+    return expected_tokens(alpha, k) / (verify_step_cost + k * draft_step)
+
+
 def fmt(x, digits: int = 2) -> str:
     if x is None:
         return "–"

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 SYSTEMS = ("target_only", "vllm_draft_model", "specserve", "specserve_synthetic",
-           "specserve_http")
+           "vllm_serve", "specserve_http")
 SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
 
 
@@ -82,4 +82,5 @@ class BenchArgs:
     seed: int = 0
     ignore_eos: bool = True
     synthetic_delay_ms: float = 0.0
+    synthetic_recovery_hit: float = 0.6
 

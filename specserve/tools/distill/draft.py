@@ -2,7 +2,7 @@
 
 Owns building the torch draft from N target layers with the target's frozen
 embedding (`build_draft`), its logits and held-out greedy agreement
-(`evaluate_alpha`), writing it as a normal Hugging Face folder
+(`evaluate_alpha`) and recovery hit rate of branches (`evaluate_recovery_hit`), writing it as a normal Hugging Face folder
 (`export_draft`) and as the trained tensors alone (`draft-layers.safetensors`),
 which `assemble_draft` turns back into a folder given the target (how the
 shipped default draft is loaded, see specserve.models.ensure_default_draft).
@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from specserve.tools.distill.recipe import DistillError, greedy_agreement
+from specserve.tools.distill.recipe import DistillError, greedy_agreement, recovery_hits
 from specserve.tools.distill.state import LAYERS_FILE, SHARED_TENSORS, STATE_FILE
 
 # ---- the draft model (torch) -----------------------------------------------------
@@ -84,6 +84,27 @@ def evaluate_alpha(model, eval_data: list[dict]) -> float:
             total += n
     model.train()
     return agree / total if total else float("nan")
+
+
+def evaluate_recovery_hit(model, eval_data: list[dict], fan_outs=(1, 2, 3, 4)) -> dict[int, float]:
+    """H at each F on held-out text: the target's token among the draft's F
+    next-best tokens, where the draft's greedy token was wrong."""
+    import torch
+
+    total = {f: 0 for f in fan_outs}
+    misses = 0
+    model.eval()
+    with torch.no_grad():
+        for s in eval_data:
+            ids = s["ids"]
+            if len(ids) - s["start"] < 1:
+                continue
+            top = draft_logits(model, ids, s["start"]).topk(max(fan_outs) + 1, dim=-1).indices
+            h, m = recovery_hits(top.tolist(), ids[s["start"]:].tolist(), fan_outs)
+            misses += m
+            for f in fan_outs:
+                total[f] += h[f]
+    return {f: total[f] / misses if misses else float("nan") for f in fan_outs}
 
 
 def trained_tensors(model, trainable: list[str]) -> dict:

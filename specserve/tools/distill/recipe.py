@@ -5,7 +5,8 @@ and strings (no files, no engines): the layers a draft keeps
 (`select_layers`), the prompts (seed topics x tasks, the held-out split by
 topic: `split_topics`, `training_prompts`, `question_prompts`,
 `eval_prompts`), the distillation loss on the target's top-k log-probs
-(`topk_distill_loss`), the greedy agreement alpha (`greedy_agreement`), the
+(`topk_distill_loss`), the greedy agreement alpha (`greedy_agreement`), the recovery hits of
+branches (`recovery_hits`), the
 learning-rate schedule (`learning_rate`) and the progress line.
 """
 
@@ -135,6 +136,24 @@ def greedy_agreement(draft_argmax, target_next) -> tuple[int, int]:
         raise ValueError(f"{len(draft_argmax)} draft tokens against {len(target_next)} target tokens")
     agree = sum(1 for d, t in zip(draft_argmax, target_next) if int(d) == int(t))
     return agree, len(target_next)
+
+
+def recovery_hits(ranked, target_next, fan_outs=(1, 2, 3, 4)) -> tuple[dict[int, int], int]:
+    """Where the draft's greedy token (ranked[i][0]) is not the target's
+    (target_next[i]): how often the target's token is among the draft's F
+    next-best (ranked[i][1 : F + 1]), per F; and how many such positions. This is
+    the recovery hit rate H of a branch budget of F alternatives per position."""
+    hits = {f: 0 for f in fan_outs}
+    misses = 0
+    for r, t in zip(ranked, target_next):
+        if r[0] == t:
+            continue
+        misses += 1
+        rank = r.index(t) if t in r else None  # 1 = the best alternative
+        for f in fan_outs:
+            if rank is not None and 1 <= rank <= f:
+                hits[f] += 1
+    return hits, misses
 
 
 def topk_distill_loss(draft_logits, topk_ids, topk_logprobs):

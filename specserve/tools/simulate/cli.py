@@ -53,6 +53,12 @@ def add_parser(sub) -> None:
     s.add_argument("--output-len", type=int, default=128)
     s.add_argument("--colocated", action="store_true",
                    help="vLLM draft_model baseline: the draft on the target's GPUs")
+    s.add_argument("--branch-hit", type=float, default=0.0,
+                   help="share of rejections a pre-drafted branch covers (measured: the "
+                        "bench's branch_hit_rate; default 0: no branches)")
+    s.add_argument("--branch-len", type=int, default=None, help="tokens per branch (default K)")
+    s.add_argument("--max-wait-ms", type=float, default=0.0,
+                   help="bounded wait after a rejection without a branch (default 0: none)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     s.add_argument("--tpot-slo-ms", type=float, default=200.0)
@@ -94,7 +100,8 @@ def scenario_from_args(args) -> Scenario:
         lookahead=lookahead, alpha=args.alpha, rtt_ms=args.rtt_ms,
         concurrency=concurrency, rate_per_s=args.rate, requests=args.requests,
         prompt_len=args.prompt_len, output_len=args.output_len, colocated=args.colocated,
-        seed=args.seed, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+        seed=args.seed, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+        branch_hit=args.branch_hit, branch_len=args.branch_len, max_wait_ms=args.max_wait_ms)
 
 
 HEADER = ("| mode | M | N | K | W | tok/s | goodput tok/s | TPOT p50/p99 ms | TTFT p50/p99 ms "

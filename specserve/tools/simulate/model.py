@@ -32,6 +32,17 @@ specserve/target/proposer.py):
   draft rolls back: it restarts from the verified history (a segment restart,
   `draft.restart_ms`). A draft that reaches W ahead stops its segment; it restarts
   (same cost) when the target verifies more.
+- Branches (pre-drafted outcomes, specserve/target/book.py): when a verify step
+  rejects a drafted token, with probability `branch_hit` (the measured branch
+  hit rate: the draft's alternatives held the target's token and the budget
+  covered that position) the draft had already drafted that outcome: the next
+  step finds the branch's continuation waiting (as far as the main line had
+  got past the position, at most `branch_len` tokens, each right with
+  probability alpha), and the draft goes on from the branch's end.
+- The bounded wait: a step that would run a row draftless although its last
+  step had drafts (a rejection without a branch, or a draft that fell behind)
+  may be held for fresh drafts, at most `max_wait_ms` and
+  only as long as the rate model says it pays (specserve.control.policy.wait_bound).
 - Co-located baseline (vLLM `draft_model`): no draft pool; the draft runs on the
   target's GPUs at the target's TP, K draft steps before every verify step, so
   drafts are always waiting (coverage 1) and every step pays K draft steps.
@@ -54,7 +65,7 @@ from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
-    """p50/p90/p99 (the bench's percentile); NaN where there are no values."""
+    """p50/p90/p99 (the one percentile, acceptance.record); NaN where there are no values."""
     return {f"p{q}": (percentile(values, q) if values else math.nan) for q in (50, 90, 99)}
 
 
@@ -88,7 +99,8 @@ class _Run:
 
 class _Request:
     __slots__ = ("id", "arrival", "target", "draft", "emitted", "first_token", "finish",
-                 "run", "known", "started", "prefilled", "needs_restart", "view", "inbox")
+                 "run", "known", "started", "prefilled", "needs_restart", "view", "inbox",
+                 "rejected", "drafted")
 
     def __init__(self, rid: int, arrival: float):
         self.id = rid
@@ -107,6 +119,8 @@ class _Request:
         # target side: drafts received, as (arrival time, run, end), latest last
         self.view: tuple[_Run, int] | None = None
         self.inbox: deque = deque()
+        self.rejected = False  # its last step rejected a drafted token
+        self.drafted = False  # its last step verified drafts
 
 
 _ARRIVE, _DRAFT_START, _DRAFT_END, _VERIFIED, _TARGET_START, _TARGET_END = range(6)
@@ -135,7 +149,11 @@ class _Sim:
         # counters
         self.request_steps = self.steps_with_drafts = self.drafted = self.accepted = 0
         self.target_steps = self.rollbacks = 0
+        self.branch_hits = self.rejections = self.waits = 0
+        self.wait_ms = 0.0
         self.t_busy_ms = self.d_busy_ms = 0.0
+        self.t_waited = [False] * m  # this target's next start already waited
+        self.last_step_ms = [0.0] * m
 
     # events: (time, priority, seq, kind, payload); a target step starts after
     # everything else that happens at the same instant (drafts arriving just in time).
@@ -284,6 +302,18 @@ class _Sim:
             flags = self.proposals(r) if sc.k > 0 else []
             decode.append((r, flags))
             tokens += 1 + len(flags)
+        if self.use_pool and sc.max_wait_ms > 0 and not self.t_waited[t]:
+            misses = sum(1 for r, f in decode if r.drafted and not f)
+            wait = self.wait_bound(t, len(decode), misses)
+            if wait > 0:
+                # Hold the step for fresh drafts (the sink's bounded wait).
+                self.t_waited[t] = True
+                self.waits += 1
+                self.wait_ms += wait
+                self.t_start_pending[t] = True
+                self.push(self.now + wait, _TARGET_START, t, priority=1)
+                return
+        self.t_waited[t] = False
         new = []
         while (waiting and len(running) + len(new) < cost.max_num_seqs
                and (not new or (len(new) + 1) * sc.prompt_len <= cost.max_prefill_tokens)):
@@ -298,6 +328,7 @@ class _Sim:
         running.extend(new)
         self.t_busy[t] = True
         self.t_busy_ms += ms
+        self.last_step_ms[t] = ms
         self.target_steps += 1
         self.push(self.now + ms, _TARGET_END, (t, decode, new))
 
@@ -320,6 +351,15 @@ class _Sim:
                 self.drafted += len(flags)
             self.accepted += accepted
             r.emitted += accepted + 1
+            # A drafted token the target decided otherwise: a rejection, or a
+            # bonus token the draft's window had wrong (a branch covers both).
+            r.drafted = bool(flags)
+            r.rejected = accepted < len(flags) or (
+                flags and not r.run.agrees_before(r.emitted))
+            if r.rejected:
+                self.rejections += 1
+                if self.rng.random() < sc.branch_hit:
+                    self.take_branch(r)
             updates.append((r, r.emitted))
         finished = [r for r, _ in updates if r.emitted >= sc.output_len]
         for r in finished:
@@ -336,6 +376,37 @@ class _Sim:
                     self.arrivals += 1
         self.t_busy[t] = False
         self.kick_target(t)
+
+    def take_branch(self, r: _Request) -> None:
+        """A rejection the draft had pre-drafted: its branch (as long as the main
+        line had got past the position, at most branch_len tokens) is at the
+        target now, and the draft goes on from its end."""
+        sc = self.sc
+        rejected_at = r.emitted - 1  # the target's own token stands here
+        length = min(sc.branch_len or sc.k, max(r.run.end - rejected_at - 1, 0),
+                     sc.output_len - r.emitted)
+        run = _Run(r.emitted)
+        for _ in range(length):
+            run.append(self.rng.random() < sc.alpha)
+        r.run = run
+        r.needs_restart = True
+        r.inbox.clear()
+        r.view = (run, run.end)
+        r.rejected = False
+        self.branch_hits += 1
+
+    def wait_bound(self, t: int, rows: int, misses: int) -> float:
+        """The sink's bound (ms), from the same rate model, with this draft's speed."""
+        if not misses or self.p.draft is None:
+            return 0.0
+        from specserve.control.policy import wait_bound
+
+        step_ms = self.last_step_ms[t] or self.p.target.step(rows, rows)
+        draft_ms = self.p.draft.step(max(len(self.d_requests[0]) if self.d_requests else 1, 1))
+        # the first fresh token: the round trip and one draft step; then one per step
+        return 1e3 * wait_bound(self.sc.alpha, self.sc.k, rows, misses, step_ms / 1e3,
+                                draft_ms / 1e3, max_wait_s=self.sc.max_wait_ms / 1e3,
+                                first_token_s=(draft_ms + self.sc.rtt_ms) / 1e3)
 
     # ---- result ----
 
@@ -362,7 +433,8 @@ class _Sim:
             target_steps=self.target_steps,
             target_busy=self.t_busy_ms / (makespan * sc.targets) if makespan else 0.0,
             draft_busy=self.d_busy_ms / (makespan * n_drafts) if makespan and n_drafts else 0.0,
-            rollbacks=self.rollbacks,
+            rollbacks=self.rollbacks, rejections=self.rejections,
+            branch_hits=self.branch_hits, waits=self.waits, wait_ms=self.wait_ms,
         )
 
 

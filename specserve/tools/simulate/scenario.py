@@ -33,6 +33,9 @@ class Scenario:
     prompt_len: int = 128
     output_len: int = 128
     colocated: bool = False      # vLLM draft_model: the draft on the target's GPUs
+    branch_hit: float = 0.0      # share of rejections whose outcome a branch pre-drafted
+    branch_len: int | None = None  # tokens a branch continues (None: K)
+    max_wait_ms: float = 0.0     # bounded wait after a rejection without a branch (0: none)
     seed: int = 0
     ttft_slo_ms: float = 2000.0  # goodput counts requests within both objectives
     tpot_slo_ms: float = 200.0
@@ -45,6 +48,10 @@ class Scenario:
             raise ValueError("drafts and k must be >= 0")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.branch_hit <= 1.0:
+            raise ValueError(f"branch_hit must be in [0, 1], got {self.branch_hit}")
+        if self.max_wait_ms < 0 or (self.branch_len is not None and self.branch_len < 1):
+            raise ValueError("max_wait_ms must be >= 0 and branch_len >= 1")
         if self.rtt_ms < 0:
             raise ValueError("rtt_ms must be >= 0")
         if (self.concurrency is None) == (self.rate_per_s is None):
@@ -93,6 +100,14 @@ class Result:
     draft_busy: float
     rollbacks: int
     cost_per_hour: float | None = None
+    rejections: int = 0          # request-steps that rejected a drafted token
+    branch_hits: int = 0         # ... whose next step found a pre-drafted branch
+    waits: int = 0               # target steps held by the bounded wait
+    wait_ms: float = 0.0         # ... in all
+
+    @property
+    def branch_hit_rate(self) -> float | None:
+        return self.branch_hits / self.rejections if self.rejections else None
 
     @property
     def coverage(self) -> float:
@@ -122,7 +137,7 @@ class Result:
         d["scenario"] = dataclasses.asdict(self.scenario)
         d["mode"] = self.scenario.mode
         for name in ("coverage", "acceptance_rate", "mean_accepted_length",
-                     "tokens_per_request_step", "goodput_tokens_per_dollar"):
+                     "tokens_per_request_step", "goodput_tokens_per_dollar", "branch_hit_rate"):
             d[name] = getattr(self, name)
         return d
 

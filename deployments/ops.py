@@ -1,0 +1,162 @@
+"""The router's ops views: /v1/spec/stats (JSON), /metrics (Prometheus text), /dashboard.
+
+Owns: turning the acceptance record (`specserve.acceptance.stats.SpecStats`),
+the controller state (`deployments.choice.DraftChoice`) and what the target
+and Serve report into those three views, and the same figures as Ray Serve
+metrics (`ServeMetrics`). The views answer at once with what they know: a
+figure that must come from a target replica or from Serve (engine counters,
+drafting requests, replica counts) is waited on for at most REMOTE_WAIT_S and
+is null (with the reason) when it did not come, e.g. while no target replica
+is up. Never does: serve requests or choose drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from specserve.acceptance import branches
+from specserve.acceptance.prometheus import prometheus_text
+from specserve.acceptance.stats import RequestRecord, SpecStats
+from specserve.control import pools
+
+log = logging.getLogger("specserve.router")
+
+REMOTE_WAIT_S = 2.0  # longest an ops view waits for a figure from a replica
+POOLS_CACHE_S = 2.0
+
+
+class ServeMetrics:
+    """The same figures as ray.serve.metrics (exported by Ray's metrics agent
+    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics."""
+
+    def __init__(self):
+        from ray.serve.metrics import Counter, Histogram
+
+        tags = ("draft_model", "draft_replica")
+        self.draft_tokens = Counter("specserve_draft_tokens", tag_keys=tags,
+                                    description="Drafted tokens the target verified.")
+        self.accepted_tokens = Counter("specserve_accepted_tokens", tag_keys=tags,
+                                       description="Drafted tokens the target accepted.")
+        self.output_tokens = Counter("specserve_output_tokens", tag_keys=tags,
+                                     description="Tokens emitted to clients.")
+        self.ttft = Histogram("specserve_ttft_seconds", description="Time to first token.",
+                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10])
+        self.tpot = Histogram("specserve_tpot_seconds", description="Time per output token.",
+                              boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
+
+    def observe(self, r: RequestRecord) -> None:
+        tags = {"draft_model": r.report.draft_model or "none",
+                "draft_replica": r.report.draft_replica or "none"}
+        a = r.acceptance
+        for counter, value in ((self.draft_tokens, a.draft_tokens),
+                               (self.accepted_tokens, a.accepted_tokens),
+                               (self.output_tokens, a.output_tokens)):
+            if value > 0:  # Ray's counters refuse increments of 0
+                counter.inc(value, tags=tags)
+        self.ttft.observe(r.ttft_s)
+        if r.tpot_s is not None:
+            self.tpot.observe(r.tpot_s)
+
+
+async def _within(awaitable, what: str):
+    """The awaited value, or "unavailable: ..." when it does not come in time."""
+    try:
+        return await asyncio.wait_for(awaitable, REMOTE_WAIT_S)
+    except asyncio.TimeoutError:
+        return f"unavailable: no answer from {what} within {REMOTE_WAIT_S:g} s"
+    except Exception as e:  # a dead or restarting replica
+        return f"unavailable: {type(e).__name__}"
+
+
+class OpsViews:
+    def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
+                 serve_status=None, decisions=None, metrics=None):
+        """serve_status(): the Serve app's {deployment: {state: count}} (default:
+        from `serve.status()`); decisions(): awaitable, the autoscaling decisions
+        (default: `specserve.control.pools.fetch`, from Ray); metrics: a
+        ServeMetrics or None."""
+        self.stats = stats
+        self.choice = choice
+        self.target = target
+        self.bounds = bounds
+        self.metrics = metrics
+        self._serve_status = serve_status or _serve_deployments
+        self._decisions = decisions or pools.fetch
+        self._pools: tuple[float, list[dict]] = (float("-inf"), [])
+
+    def record(self, r: RequestRecord) -> None:
+        """A finished sequence (from the target) into the picture and the metrics."""
+        self.stats.record(r)
+        if self.metrics is not None:
+            self.metrics.observe(r)
+
+    async def pool_rows(self) -> list[dict]:
+        """Replica counts per pool from Serve's status (cached for POOLS_CACHE_S)."""
+        at, rows = self._pools
+        if time.monotonic() - at < POOLS_CACHE_S:
+            return rows
+        try:
+            deployments = await asyncio.wait_for(asyncio.to_thread(self._serve_status),
+                                                 REMOTE_WAIT_S)
+        except Exception as e:  # the figures are for people; never fail a view
+            log.warning("serve status unavailable: %s", e)
+            deployments = {}
+        rows = pools.replica_counts(deployments, self.bounds)
+        self._pools = (time.monotonic(), rows)
+        return rows
+
+    async def stats_json(self) -> dict:
+        snap = self.stats.snapshot(time.time())
+        c = self.choice
+        snap["load"] = c.load()
+        snap["last_choice"] = c.last_choice.reason if c.last_choice else None
+        # What the K choice last used: the target's measured step cost (or the
+        # load model until it is measured), rows, per-pool K.
+        snap["k_choice"] = c.k_inputs
+        # Slots held right now: router requests in flight, and (from the target
+        # replica that answers) its engine's unfinished requests and each draft
+        # pool's active drafting requests; vLLM's engine-wide counters of that
+        # replica cross-check the per-request attribution above.
+        snap["router_inflight"] = sum(c.inflight.values())
+        (snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"],
+         counters) = await asyncio.gather(
+                _within(self.target.spec_totals.remote(), "a target replica"),
+                _within(self.target.draft_active.remote(), "a target replica"),
+                self.pool_rows(),
+                _within(self._decisions(), "the autoscaler"),
+                _within(self.target.branch_counters.remote(), "a target replica"))
+        # The step after a rejection, per draft replica, from the target's draft
+        # book (specserve.acceptance.branches): branch hit rate, coverage after an
+        # accepted step vs after a rejection, wait per step.
+        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(counters.items())}
+                            if isinstance(counters, dict) else counters)
+        return snap
+
+    async def metrics_text(self) -> str:
+        text = prometheus_text(self.stats, time.time())
+        text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
+        counters = await _within(self.target.branch_counters.remote(), "a target replica")
+        if isinstance(counters, dict):
+            text += "\n".join(branches.prometheus_lines(counters)) + "\n"
+        return text
+
+
+def _serve_deployments() -> dict:
+    from ray import serve
+
+    app = serve.get_replica_context().app_name
+    status = serve.status().applications.get(app)
+    return {name: {getattr(s, "value", str(s)): n for s, n in d.replica_states.items()}
+            for name, d in (status.deployments.items() if status else ())}
+
+
+def dashboard_page():
+    """The ops page (static HTML + JS shipped in the package, no outside CDN)."""
+    from importlib.resources import files
+
+    from starlette.responses import HTMLResponse
+
+    return HTMLResponse(files("specserve.dashboard").joinpath("index.html").read_text("utf-8"),
+                        headers={"Cache-Control": "no-cache"})

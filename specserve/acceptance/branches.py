@@ -1,0 +1,96 @@
+"""The step after a rejection: figures from the target's draft book, per draft.
+
+Owns the arithmetic over the counters a target's sink keeps per draft
+("model/replica"; specserve.target.book.BookStats by name, plus the bounded
+wait; the DraftSink.Stats rpc). Pure: no gRPC, no clock.
+
+Vocabulary (per draft, over a span of counters):
+  branch_hit_rate         steps after a rejection that found a matching branch
+                          (a pre-drafted outcome) / steps after a rejection
+  coverage_after_accepted share of steps after a fully accepted window that
+                          found drafts (the run-ahead keeps up)
+  coverage_after_rejected share of steps after a rejection that found drafts
+                          (a branch hit, or drafts within the bounded wait)
+  wait_hit_rate           rows that got drafts within the bounded wait / rows
+                          that could wait (drafts at their last step, none now)
+  wait_ms_per_step        milliseconds the proposer held steps for this draft,
+                          over all steps with its rows
+  book_alpha              conditional acceptance of what the book proposed,
+                          counted exactly per step (the proposer knows each
+                          window's length; vLLM's per-position counters do not,
+                          so their estimate is low when windows are short)
+
+PromQL over the exported counters (rates over 5 minutes):
+  branch hit rate: rate(specserve_branch_hits_total[5m])
+                   / rate(specserve_steps_after_rejection_total[5m])
+  wait per step:   rate(specserve_wait_seconds_total[5m])
+                   / rate(specserve_proposer_steps_total[5m])
+"""
+
+from __future__ import annotations
+
+COUNTERS = (
+    "steps_after_accepted", "covered_after_accepted", "steps_after_rejected",
+    "covered_after_rejected", "steps_after_draftless", "covered_after_draftless",
+    "branch_hits", "branches_buffered", "branches_dropped", "wait_rows", "wait_hits",
+    "accepted_tokens", "alpha_trials", "verified_steps",
+)
+WAIT = ("waits", "wait_seconds", "steps")
+
+
+def minus(after: dict, before: dict) -> dict:
+    """Counters over a span: after - before, per key (missing before: 0)."""
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def total(per_draft: dict[str, dict]) -> dict:
+    """Counters added up over drafts."""
+    out: dict = {}
+    for c in per_draft.values():
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def figures(c: dict) -> dict:
+    """The figures of one draft's (or a total's) counters; None where nothing was seen."""
+    g = lambda k: c.get(k, 0)  # noqa: E731
+    return {
+        "branch_hit_rate": _ratio(g("branch_hits"), g("steps_after_rejected")),
+        "coverage_after_accepted": _ratio(g("covered_after_accepted"), g("steps_after_accepted")),
+        "coverage_after_rejected": _ratio(g("covered_after_rejected"), g("steps_after_rejected")),
+        "wait_hit_rate": _ratio(g("wait_hits"), g("wait_rows")),
+        "wait_ms_per_step": (_ratio(g("wait_seconds"), g("steps")) or 0.0) * 1e3
+        if g("steps") else None,
+        "book_alpha": _ratio(g("accepted_tokens"), g("alpha_trials")),
+        "steps_after_rejected": g("steps_after_rejected"),
+    }
+
+
+_PROM = [
+    ("branch_hits", "branch_hits_total", "Steps after a rejection that found a matching branch."),
+    ("steps_after_rejected", "steps_after_rejection_total", "Steps after a rejection."),
+    ("covered_after_rejected", "covered_after_rejection_total",
+     "Steps after a rejection that found drafts (branch or bounded wait)."),
+    ("steps_after_accepted", "steps_after_accepted_total", "Steps after a fully accepted window."),
+    ("covered_after_accepted", "covered_after_accepted_total",
+     "Steps after a fully accepted window that found drafts."),
+    ("wait_seconds", "wait_seconds_total", "Seconds the proposer held steps for fresh drafts."),
+    ("steps", "proposer_steps_total", "Proposer steps with rows of this draft."),
+]
+
+
+def prometheus_lines(per_draft: dict[str, dict]) -> list[str]:
+    """Counters per draft ("model/replica") in Prometheus text format."""
+    lines: list[str] = []
+    for key, name, help_text in _PROM:
+        lines += [f"# HELP specserve_{name} {help_text}", f"# TYPE specserve_{name} counter"]
+        for draft, c in sorted(per_draft.items()):
+            model, _, replica = draft.rpartition("/")
+            lines.append(f'specserve_{name}{{draft_model="{model or draft}",'
+                         f'draft_replica="{replica if model else "?"}"}} {c.get(key, 0)}')
+    return lines

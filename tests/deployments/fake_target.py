@@ -1,0 +1,81 @@
+"""A stand-in for the target deployment's handle: no Ray, no engine.
+
+`FakeTarget.http` answers like TargetServer.http (start, body chunks, then
+{"records": [...]}) from a script the test gives; the other methods answer at
+once, or never (`hang=True`: no replica up)."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class FakeRemote:
+    def __init__(self, answer=None, hang=False, error=None):
+        self.answer, self.hang, self.error, self.calls = answer, hang, error, 0
+
+    def remote(self, *args):
+        self.calls += 1
+
+        async def reply():
+            if self.hang:
+                await asyncio.sleep(3600)
+            if self.error is not None:
+                raise self.error
+            return self.answer() if callable(self.answer) else self.answer
+        return reply()
+
+
+class FakeStream:
+    """Stands in for a streaming DeploymentResponseGenerator."""
+
+    def __init__(self, items, error=None):
+        self.items = list(items)
+        self.error = error  # raised instead of the first item
+        self.cancelled = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        if self.error is not None:
+            raise self.error
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+class FakeHttp:
+    def __init__(self, target):
+        self.target = target
+
+    def remote(self, *args):
+        self.target.calls.append(args)
+        return self.target.streams.pop(0)
+
+
+class FakeTarget:
+    def __init__(self, streams=(), ready=True, step_cost=None):
+        self.streams = list(streams)
+        self.calls: list[tuple] = []
+        self.ready = FakeRemote(True, hang=not ready)
+        self.spec_totals = FakeRemote(lambda: {"step_cost": step_cost, "draft_tokens": 0})
+        self.draft_active = FakeRemote({})
+        self.branch_counters = FakeRemote({})
+
+    def options(self, stream=False):
+        assert stream
+        return type("Streaming", (), {"http": FakeHttp(self)})()
+
+
+def json_answer(body: bytes, status=200, records=()):
+    return [{"status": status, "headers": [("content-type", "application/json")]},
+            body, {"records": list(records)}]
+
+
+def sse_answer(events: list[bytes], records=()):
+    return [{"status": 200, "headers": [("content-type", "text/event-stream; charset=utf-8")]},
+            *events, {"records": list(records)}]

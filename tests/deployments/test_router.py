@@ -1,0 +1,246 @@
+"""The router's ingress (deployments/router.py) with a stand-in target handle: no
+Ray, no engine. It forwards the body as it came and passes the target's answer
+back (JSON and SSE), feeds the records to the acceptance picture, refuses what
+is its own to refuse (401, 404 route, readable 413), says healthy only when a
+target replica answers, retries once on a dead replica, and its ops views
+answer at once while no target replica is up."""
+
+import asyncio
+import json
+
+import pytest
+
+from deployments.router import HEALTH_WAIT_S, Router
+from fake_target import FakeStream, FakeTarget, json_answer, sse_answer
+from specserve.acceptance.record import Acceptance, TargetReport
+from specserve.acceptance.stats import RequestRecord
+from specserve.openai_api import ApiError
+
+CONFIG = {"target": {"model": "/nonexistent", "name": "tiny"},
+          "drafts": [{"name": "same", "model": "/nonexistent"}],
+          "speculation": {"num_speculative_tokens": 4},
+          "http": {"max_body_bytes": 1000}}
+
+
+def router(target, **http):
+    config = json.loads(json.dumps(CONFIG))
+    config["http"].update(http)
+    return Router(config, target, ["same"], serve_metrics=False)
+
+
+def record():
+    return RequestRecord(
+        TargetReport("t0", "same", "d0", Acceptance(k=4, output_tokens=10, draft_tokens=8,
+                                                    accepted_histogram=(0, 0, 2, 0, 0))),
+        ttft_s=0.1, duration_s=1.0, finished_at=0.0)
+
+
+def request(method, path, body=b"", headers=None, chunks=None):
+    from starlette.requests import Request
+
+    parts = list(chunks) if chunks is not None else [body]
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    if chunks is None:
+        hdrs["content-length"] = str(len(body))
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [(k.encode(), v.encode()) for k, v in hdrs.items()],
+             "server": ("x", 80), "scheme": "http", "root_path": ""}
+    read = []
+
+    async def receive():
+        if parts:
+            chunk = parts.pop(0)
+            read.append(len(chunk))
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+        await asyncio.sleep(3600)
+
+    req = Request(scope, receive)
+    req.read_sizes = read
+    return req
+
+
+async def answer(r, req):
+    """(status, headers, body bytes) of the router's response, sent over ASGI."""
+    response = await r(req)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    start = sent[0]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], dict((k.decode(), v.decode()) for k, v in start["headers"]), body
+
+
+def test_a_json_answer_is_passed_back_and_its_records_counted():
+    async def go():
+        reply = b'{"choices": [{"text": "hi"}]}'
+        target = FakeTarget([FakeStream(json_answer(reply, records=[record(), record()]))])
+        r = router(target)
+        body = b'{"model": "tiny", "prompt": "x", "logprobs": 2, "whatever": [1]}'
+        status, headers, got = await answer(r, request("POST", "/v1/completions", body))
+        assert status == 200 and got == reply and headers["content-type"] == "application/json"
+        method, path, _, fwd_headers, fwd_body, pool, k = target.calls[0]
+        # the body goes on untouched, with the chosen pool and K
+        assert (method, path, fwd_body) == ("POST", "/v1/completions", body)
+        assert pool == "same" and k == 4
+        assert ("content-type", "application/json") in fwd_headers
+        assert r.stats.by_model["same"].requests == 2
+        assert r.choice.inflight == {"same": 0}
+
+    asyncio.run(go())
+
+
+def test_an_sse_answer_streams_through_and_releases_once():
+    async def go():
+        events = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+        stream = FakeStream(sse_answer(events, records=[record()]))
+        r = router(FakeTarget([stream]))
+        status, headers, got = await answer(
+            r, request("POST", "/v1/chat/completions", b'{"stream": true}'))
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert got == b"".join(events)
+        assert r.stats.by_model["same"].requests == 1
+        assert r.choice.inflight == {"same": 0} and stream.cancelled == 1
+
+    asyncio.run(go())
+
+
+def test_errors_of_the_target_pass_through_with_their_status():
+    async def go():
+        err = b'{"error": {"message": "The model `x` does not exist.", "code": 404}}'
+        r = router(FakeTarget([FakeStream(json_answer(err, status=404))]))
+        status, _, got = await answer(r, request("POST", "/v1/completions", b'{"model": "x"}'))
+        assert status == 404 and got == err
+
+    asyncio.run(go())
+
+
+def test_tokenize_and_models_are_forwarded_without_drafts():
+    async def go():
+        target = FakeTarget([FakeStream(json_answer(b'{"tokens": [1]}')),
+                             FakeStream(json_answer(b'{"data": []}'))])
+        r = router(target)
+        await answer(r, request("POST", "/tokenize", b'{"prompt": "a"}'))
+        await answer(r, request("GET", "/v1/models"))
+        assert [(c[1], c[5], c[6]) for c in target.calls] == [
+            ("/tokenize", None, 0), ("/v1/models", None, 0)]
+
+    asyncio.run(go())
+
+
+def test_a_body_over_the_limit_is_read_and_answered_413():
+    async def go():
+        r = router(FakeTarget())
+        chunks = [b"x" * 600] * 4  # 2400 bytes, limit 1000, no content-length
+        req = request("POST", "/v1/completions", chunks=chunks)
+        status, headers, got = await answer(r, req)
+        assert status == 413 and "body over 1000 bytes" in json.loads(got)["error"]["message"]
+        assert sum(req.read_sizes) == 2400  # drained: the client has sent it all
+        assert headers.get("connection") == "close"
+        # a declared length over the limit, too
+        big = request("POST", "/v1/completions", b"y" * 1001)
+        assert (await answer(r, big))[0] == 413
+        assert r.choice.inflight == {}
+
+    asyncio.run(go())
+
+
+def test_api_key_and_unknown_routes():
+    async def go():
+        r = router(FakeTarget(), api_key="sesame")
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert status == 401 and json.loads(got)["error"]["type"] == "authentication_error"
+        status, _, got = await answer(r, request("GET", "/nope",
+                                                 headers={"authorization": "Bearer sesame"}))
+        assert status == 404 and json.loads(got)["error"]["code"] == "not_found"
+
+    asyncio.run(go())
+
+
+def test_healthz_needs_a_target_replica_that_answers(monkeypatch):
+    monkeypatch.setattr("deployments.router.HEALTH_WAIT_S", 0.05)
+
+    async def go():
+        status, _, got = await answer(router(FakeTarget(ready=False)),
+                                      request("GET", "/healthz"))
+        assert status == 503 and json.loads(got)["error"]["code"] == "target_unavailable"
+        status, _, got = await answer(router(FakeTarget()), request("GET", "/healthz"))
+        assert status == 200 and json.loads(got) == {"status": "ok"}
+
+    asyncio.run(go())
+    assert HEALTH_WAIT_S > 0.05  # the real wait is longer
+
+
+def test_ops_views_answer_at_once_without_a_target_replica(monkeypatch):
+    monkeypatch.setattr("deployments.ops.REMOTE_WAIT_S", 0.05)
+
+    async def go():
+        target = FakeTarget(ready=False)
+        target.spec_totals.hang = target.draft_active.hang = target.branch_counters.hang = True
+        r = router(target)
+        r.ops._serve_status = lambda: {}  # no Ray here: Serve's status and the
+        r.ops._decisions = target.spec_totals.remote  # autoscaler are stand-ins (hanging)
+        status, _, got = await asyncio.wait_for(answer(r, request("GET", "/v1/spec/stats")), 5)
+        snap = json.loads(got)
+        assert status == 200 and snap["target_engine"].startswith("unavailable")
+        assert snap["router_inflight"] == 0
+        status, _, text = await asyncio.wait_for(answer(r, request("GET", "/metrics")), 5)
+        assert status == 200 and b"specserve_" in text
+
+    asyncio.run(go())
+
+
+def test_a_dead_replica_before_the_answer_is_retried_once():
+    from ray.exceptions import RayActorError
+
+    async def go():
+        dead = FakeStream([], error=RayActorError())
+        target = FakeTarget([dead, FakeStream(json_answer(b'{"ok": 1}'))])
+        r = router(target)
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert status == 200 and got == b'{"ok": 1}' and len(target.calls) == 2
+        both_dead = FakeTarget([FakeStream([], error=RayActorError()),
+                                FakeStream([], error=RayActorError())])
+        r = router(both_dead)
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert status == 503 and json.loads(got)["error"]["code"] == "target_unavailable"
+        assert r.choice.inflight == {"same": 0}
+
+    asyncio.run(go())
+
+
+def test_error_body_shape():
+    e = ApiError(401, "bad key", type="authentication_error", code="invalid_api_key")
+    assert e.body() == {"error": {"message": "bad key", "type": "authentication_error",
+                                  "param": None, "code": "invalid_api_key"}}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_generation_routes_get_a_draft_choice(path):
+    async def go():
+        target = FakeTarget([FakeStream(json_answer(b"{}"))])
+        r = router(target)
+        await answer(r, request("POST", path, b"{}"))
+        assert r.choice.last_choice is not None and target.calls[0][5] == "same"
+
+    asyncio.run(go())
+
+
+def test_an_error_body_not_in_openais_shape_is_rewrapped():
+    async def go():
+        detail = b'{"detail": "There was an error parsing the body"}'
+        ok = b'{"error": {"message": "m", "type": "t", "param": null, "code": 400}}'
+        r = router(FakeTarget([FakeStream(json_answer(detail, status=400)),
+                               FakeStream(json_answer(ok, status=400))]))
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"\x00\x00"))
+        assert status == 400 and json.loads(got)["error"]["message"] == (
+            "There was an error parsing the body")
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert got == ok  # vLLM's own error bodies pass unchanged
+
+    asyncio.run(go())

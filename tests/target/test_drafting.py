@@ -1,0 +1,195 @@
+"""DraftingEngine (specserve/target/drafting.py) with a stand-in engine: drafts
+per engine request and per sequence (n > 1) with the router's K, records
+from vLLM's per-request figures, draft streams closed however the request
+ends, the CPU seed refusal as a 400 before anything starts; and the
+in-process ASGI call (specserve/target/openai_app.py)."""
+
+import asyncio
+import contextvars
+from types import SimpleNamespace
+
+import pytest
+
+from specserve.target import openai_app
+from specserve.target.drafting import ROUTE, DraftingEngine, Route, refusal
+
+
+def params(n=1, kind="DELTA", seed=None, temperature=0.0, max_tokens=8):
+    from vllm.sampling_params import RequestOutputKind
+
+    return SimpleNamespace(n=n, output_kind=getattr(RequestOutputKind, kind), seed=seed,
+                           temperature=temperature, max_tokens=max_tokens)
+
+
+def output(index, tokens, finish=None, histogram=None):
+    m = (SimpleNamespace(num_draft_tokens=sum(histogram) * (len(histogram) - 1),
+                         histogram=histogram) if histogram else None)
+    return SimpleNamespace(index=index, token_ids=tokens, finish_reason=finish,
+                           spec_decode_metrics=m)
+
+
+class FakeEngine:
+    model_config = "the engine's"
+
+    def __init__(self, steps, fail=False, hang=False):
+        self.steps, self.fail, self.hang, self.calls = steps, fail, hang, []
+
+    async def generate(self, prompt, params, request_id, **kw):
+        self.calls.append((prompt, request_id, kw))
+        for outs in self.steps:
+            await asyncio.sleep(0)
+            yield SimpleNamespace(outputs=outs)
+        if self.fail:
+            raise RuntimeError("engine failed")
+        if self.hang:  # a request still generating
+            await asyncio.sleep(3600)
+
+
+class Drafts:
+    def __init__(self):
+        self.opened, self.closed = [], 0
+
+    def __call__(self, pool, rid, ids, max_tokens, k):
+        self.opened.append((pool, rid, ids, max_tokens, k))
+        owner = self
+
+        class Stream:
+            who = {"model": pool, "replica": f"r{len(owner.opened)}", "lag": 0.5}
+
+            def close(self):
+                owner.closed += 1
+        return Stream()
+
+
+async def run(engine, route, prompt, p):
+    context = contextvars.copy_context()
+    context.run(ROUTE.set, route)
+
+    async def consume():
+        return [out async for out in client.generate(prompt, p, "cmpl-1-0", priority=0)]
+
+    drafts = Drafts()
+    client = DraftingEngine(engine, drafts, k_max=4, target_replica="t0", live=lambda: (3, 1))
+    outs = await asyncio.get_running_loop().create_task(consume(), context=context)
+    return outs, drafts, client
+
+
+def test_one_draft_stream_with_the_routers_k_and_a_record_from_vllms_figures():
+    async def go():
+        engine = FakeEngine([[output(0, [5, 6])], [output(0, [7], "length", [1, 0, 2])]])
+        route = Route("same", 2)
+        outs, drafts, client = await run(engine, route, {"prompt_token_ids": [1, 2, 3]},
+                                         params())
+        assert len(outs) == 2  # vLLM's outputs, unchanged
+        assert drafts.opened == [("same", "cmpl-1-0", [1, 2, 3], 8, 2)] and drafts.closed == 1
+        [record] = route.records
+        r, a = record.report, record.acceptance
+        assert (r.draft_model, r.draft_replica, a.k, a.output_tokens) == ("same", "r1", 2, 3)
+        assert a.accepted_histogram == (1, 0, 2) and a.draft_tokens == 6
+        assert (r.target_replica, r.target_running, r.target_waiting, r.draft_lag) == (
+            "t0", 3, 1, 0.5)
+        assert 0 <= record.ttft_s <= record.duration_s
+        assert engine.calls[0][2] == {"priority": 0}  # the rest goes on to the engine
+        assert client.model_config == "the engine's"  # and so does the rest of the client
+
+    asyncio.run(go())
+
+
+def test_n_sequences_get_a_draft_stream_each_and_a_record_each():
+    async def go():
+        engine = FakeEngine([[output(0, [5, 6, 7], "stop", [2, 1, 0, 0, 0]),
+                              output(1, [5, 6, 8, 9], "length", [3, 0, 0, 0, 0])]])
+        route = Route("same", 9)  # more than the engine's K: capped at 4
+        outs, drafts, _ = await run(engine, route, {"prompt_token_ids": [1]},
+                                    params(n=2, kind="FINAL_ONLY"))
+        assert [o[1] for o in drafts.opened] == ["cmpl-1-0/0", "cmpl-1-0/1"]
+        assert {o[4] for o in drafts.opened} == {4} and drafts.closed == 2
+        assert [(r.output_tokens, r.report.draft_replica) for r in route.records] == [
+            (3, "r1"), (4, "r2")]
+
+    asyncio.run(go())
+
+
+def test_no_draft_pool_means_no_drafts_but_still_a_record():
+    async def go():
+        route = Route(None, 4)
+        _, drafts, _ = await run(FakeEngine([[output(0, [5], "length")]]), route,
+                                 {"prompt_token_ids": [1]}, params())
+        assert drafts.opened == []
+        [r] = route.records
+        assert r.report.draft_model is None and r.acceptance.k == 0 and r.output_tokens == 1
+
+    asyncio.run(go())
+
+
+def test_draft_streams_close_when_the_engine_fails_or_the_request_is_cancelled():
+    async def go():
+        with pytest.raises(RuntimeError):
+            await run(FakeEngine([[output(0, [5])]], fail=True), Route("same", 4),
+                      {"prompt_token_ids": [1]}, params())
+        drafts = Drafts()
+        client = DraftingEngine(FakeEngine([[output(0, [5])]], hang=True), drafts, 4, "t0")
+        context = contextvars.copy_context()
+        context.run(ROUTE.set, Route("same", 4))
+        gen = client.generate({"prompt_token_ids": [1]}, params(), "r")
+
+        async def consume():
+            async for _ in gen:
+                await asyncio.sleep(0)
+        task = asyncio.get_running_loop().create_task(consume(), context=context)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # vLLM's serving layer closes the generators it merged (merge_async_iterators)
+        await gen.aclose()
+        assert len(drafts.opened) == 1 and drafts.closed == 1
+
+    asyncio.run(go())
+
+
+def test_a_seeded_sampled_request_is_refused_on_cpu_before_it_starts():
+    from vllm.exceptions import VLLMValidationError
+
+    client = DraftingEngine(FakeEngine([]), Drafts(), 4, "t0", on_cpu=True)
+    with pytest.raises(VLLMValidationError) as e:
+        client.generate({"prompt_token_ids": [1]}, params(seed=3, temperature=0.7), "r")
+    assert e.value.parameter == "seed" and "temperature" in str(e.value)
+    assert refusal(params(seed=3, temperature=0.0), on_cpu=True) is None
+    assert refusal(params(seed=3, temperature=0.7), on_cpu=False) is None
+
+
+def test_call_runs_an_asgi_app_in_process_and_stops_it_when_closed():
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route as HttpRoute
+
+    stopped = []
+
+    async def endless(request):
+        body = await request.body()
+
+        async def events():
+            try:
+                yield b"got " + body
+                while True:
+                    await asyncio.sleep(0.001)
+                    yield b"."
+            finally:
+                stopped.append(True)
+        return StreamingResponse(events(), status_code=201, media_type="text/event-stream")
+
+    app = Starlette(routes=[HttpRoute("/x", endless, methods=["POST"])])
+
+    async def go():
+        calls = openai_app.call(app, "POST", "/x", "", [("content-type", "a/b")], b"hi")
+        start = await anext(calls)
+        assert start["status"] == 201 and ("content-type", "text/event-stream; charset=utf-8") \
+            in start["headers"]
+        assert await anext(calls) == b"got hi"
+        assert await anext(calls) == b"."
+        await calls.aclose()  # the client went away
+        await asyncio.sleep(0.01)
+        assert stopped == [True]
+
+    asyncio.run(go())
