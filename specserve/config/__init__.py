@@ -1,17 +1,25 @@
 """The specserve application config: one pydantic model, one source of truth.
 
 - `schema`: `AppConfig` and its parts, every field described, the cross-field
-  checks, `with_overrides` (the CLI's flags), the W > K rule;
+  checks, `with_overrides` (the CLI's flags);
 - `loading`: YAML files in, `ConfigError` lines ("field.path: problem") out;
-- `naming`: the draft pool name rule and names made from model folders.
+- `speculation`: K, W, branches, the bounded wait, the K controller's thresholds
+  (`kcontrol`), the W > K rule;
+- `naming`: the draft pool name rule and names made from model folders;
+- `fit`: what the deployments ask of a local cluster, checked before Ray starts.
 
 Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 """
 
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
-from specserve.config.schema import (
+from specserve.config.speculation import (
     MAX_SPECULATIVE_TOKENS,
+    SpeculationConfig,
+    lookahead_problem,
+    lookahead_tokens,
+)
+from specserve.config.schema import (
     MODEL_BOUND_ENGINE_KEYS,
     AppConfig,
     Autoscaling,
@@ -21,10 +29,7 @@ from specserve.config.schema import (
     HttpConfig,
     RayConfig,
     Resources,
-    SpeculationConfig,
     TargetConfig,
-    lookahead_problem,
-    lookahead_tokens,
 )
 
 __all__ = [

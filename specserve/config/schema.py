@@ -30,34 +30,15 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specserve.config.base import _require_non_empty, _Strict
-from specserve.config.kcontrol import KControlConfig
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml, validation_error
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
+from specserve.config.speculation import SpeculationConfig
 from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
-
-MAX_SPECULATIVE_TOKENS = 16
 
 # Engine settings that describe one model rather than the machine (its context
 # length): a value the embedded default sets for the default model must not be
 # applied to another model that replaces it (`with_overrides`).
 MODEL_BOUND_ENGINE_KEYS = ("max_model_len",)
-
-
-def lookahead_tokens(k: int, lookahead: int | None) -> int:
-    """The effective W: `lookahead`, or 2K when it is unset."""
-    return lookahead if lookahead is not None else 2 * k
-
-
-def lookahead_problem(k: int, lookahead: int | None, k_name: str = "num_speculative_tokens",
-                      lookahead_name: str = "lookahead") -> str | None:
-    """Why W = `lookahead` cannot go with K = `k` (W must exceed K), or None.
-
-    The one statement of the rule: the config model, the CLI and LocalSpec ask
-    it, each naming the settings as its user spells them."""
-    if k > 0 and lookahead is not None and lookahead <= k:
-        return (f"{lookahead_name} ({lookahead}) must be greater than {k_name} ({k}); raise "
-                f"{lookahead_name} or remove it to use 2K ({2 * k})")
-    return None
 
 
 class Resources(_Strict):
@@ -260,56 +241,6 @@ class DraftConfig(_Strict):
         if not v.strip():
             raise ValueError("model must be a model folder path, got an empty string")
         return v
-
-
-class SpeculationConfig(_Strict):
-    """How far drafts run ahead and how much the target verifies per step."""
-
-    num_speculative_tokens: int = Field(
-        4, ge=0, le=MAX_SPECULATIVE_TOKENS,
-        description="K: drafted tokens the target verifies per step. 0 runs target-only "
-                    "(only allowed without drafts).")
-    lookahead: int | None = Field(
-        None, ge=1,
-        description="W: how many tokens past the last verified position a draft may run; "
-                    "must be greater than K. Null: 2K.")
-    branch_fan_out: int = Field(
-        3, ge=0, le=16,
-        description="F: at most this many alternatives a draft pre-drafts at one position "
-                    "of its window (its next-best tokens there, each continued a few tokens), "
-                    "so that the step after a rejection finds drafts waiting. 0: no branches.")
-    branch_budget: int = Field(
-        12, ge=0, le=256,
-        description="Alternatives per request in all, split over the window's positions "
-                    "geometrically by the draft's acceptance (specserve.control.policy.fan_out: "
-                    "more near the verified position, where rejections are likelier).")
-    branch_len: int | None = Field(
-        None, ge=1, le=64,
-        description="Tokens a branch continues past its alternative token. Null: K.")
-    max_wait_ms: float = Field(
-        50.0, ge=0.0, le=250.0,
-        description="Upper bound on the bounded wait: after a rejection with no matching "
-                    "branch, the target may hold a step this long at most for fresh drafts; "
-                    "the rate model (specserve.control.policy.wait_bound) picks less, or 0 "
-                    "when the batch is large or drafts are poor. 0: never wait.")
-    k_control: KControlConfig = Field(
-        default_factory=KControlConfig,
-        description="The K controller's thresholds: when figures are trusted, probing, margin.")
-
-    @model_validator(mode="after")
-    def _check(self):
-        problem = lookahead_problem(self.num_speculative_tokens, self.lookahead)
-        if problem:
-            raise ValueError(problem)
-        return self
-
-    def lookahead_tokens(self) -> int:
-        """The effective W."""
-        return lookahead_tokens(self.num_speculative_tokens, self.lookahead)
-
-    def branch_tokens(self) -> int:
-        """The effective branch length."""
-        return self.branch_len if self.branch_len is not None else max(self.num_speculative_tokens, 1)
 
 
 class HttpConfig(_Strict):

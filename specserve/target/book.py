@@ -50,6 +50,9 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from specserve.target.book_entry import _Entry
+from specserve.target.book_stats import ACCEPTED, DRAFTLESS, FIRST, REJECTED, BookStats  # noqa: F401
+
 # gRPC status code numbers (grpc.StatusCode values), kept here so this module
 # does not import grpc.
 INVALID_ARGUMENT = 3
@@ -74,100 +77,6 @@ class VerifiedUpdate:
     key: Hashable  # (stream id, request id)
     position: int
     token_ids: list[int]
-
-
-class _Entry:
-    """One request's speculative sequence; tokens[:verified] are confirmed."""
-
-    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k", "branches",
-                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream")
-
-    def __init__(self, prompt: Sequence[int], k: int = 0):
-        n = len(prompt)
-        self.tokens = np.empty(max(16, 2 * n), dtype=np.int64)
-        self.tokens[:n] = prompt
-        self.length = n  # len(S)
-        self.verified = n  # len(V): the prompt is verified by definition
-        self.reported = n  # verified tokens already sent back to the draft
-        self.prompt_len = n
-        self.k = k  # at most this many proposed tokens per step; 0: the caller's k
-        # (fork position, alternative token) -> tokens from the fork on.
-        self.branches: dict[tuple[int, int], np.ndarray] = {}
-        self.branch_tokens = 0
-        self.last_start = -1  # where the last proposal started (len(H) then)
-        self.last_proposal: list[int] = []
-        self.last_outcome = FIRST  # how this request's last verify step ended
-        self.stream: Hashable = None
-
-    def seq(self) -> np.ndarray:
-        return self.tokens[: self.length]
-
-    def put(self, start: int, values: np.ndarray) -> None:
-        """Overwrite from `start` on with `values`; S ends after them."""
-        end = start + len(values)
-        if end > len(self.tokens):
-            grown = np.empty(max(end, 2 * len(self.tokens)), dtype=np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
-        self.tokens[start:end] = values
-        self.length = end
-
-
-# How a request's previous verify step ended (for coverage after each outcome).
-FIRST = "first"  # no step yet, or the row was not tracked
-ACCEPTED = "accepted"  # every proposed token accepted
-REJECTED = "rejected"  # a proposed token rejected
-DRAFTLESS = "draftless"  # nothing was proposed
-
-
-@dataclasses.dataclass
-class BookStats:
-    """Counters of what the book did; cumulative, for metrics and tests."""
-
-    opened: int = 0
-    closed: int = 0
-    draft_messages: int = 0
-    draft_tokens_buffered: int = 0
-    stale_messages: int = 0  # built on a history the target has left, or a gap
-    rewritten_messages: int = 0  # replaced drafted (unverified) tokens with newer ones
-    rows_seen: int = 0
-    rows_matched: int = 0  # rows bound to a request
-    rows_with_proposals: int = 0  # rows that got at least one drafted token
-    proposed_tokens: int = 0
-    branch_messages: int = 0  # branches received
-    branches_buffered: int = 0  # ... and kept
-    branches_dropped: int = 0  # stale, not an alternative, or past a bound
-    # Verify outcomes of proposals, from the next history (exact, per step):
-    verified_steps: int = 0  # steps that verified a proposal of ours
-    accepted_tokens: int = 0  # proposed tokens the target accepted
-    alpha_trials: int = 0  # proposed tokens whose predecessors were all accepted
-    # Steps by how the request's previous step ended, and those that got drafts:
-    steps_after_accepted: int = 0
-    covered_after_accepted: int = 0
-    steps_after_rejected: int = 0
-    covered_after_rejected: int = 0
-    steps_after_draftless: int = 0
-    covered_after_draftless: int = 0
-    branch_hits: int = 0  # steps after a rejection that found a matching branch
-    wait_rows: int = 0  # steps after a step with drafts that found none (could wait)
-    wait_hits: int = 0  # ... that got drafts within the bounded wait (refill)
-
-    @property
-    def alpha(self) -> float | None:
-        """Conditional acceptance of what was proposed, exactly."""
-        return self.accepted_tokens / self.alpha_trials if self.alpha_trials else None
-
-    @property
-    def branch_hit_rate(self) -> float | None:
-        return self.branch_hits / self.steps_after_rejected if self.steps_after_rejected else None
-
-    def coverage_after(self, outcome: str) -> float | None:
-        steps = getattr(self, f"steps_after_{outcome}")
-        return getattr(self, f"covered_after_{outcome}") / steps if steps else None
-
-    def add(self, other: "BookStats") -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class DraftBook:

@@ -1,0 +1,48 @@
+"""One request's entry in the draft book: its speculative sequence S (prompt +
+verified + drafted tokens), how much of S is verified and reported, and its
+branches (alternatives at fork positions, each with its continuation). Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from specserve.target.book_stats import FIRST
+
+
+class _Entry:
+    """One request's speculative sequence; tokens[:verified] are confirmed."""
+
+    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k", "branches",
+                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream")
+
+    def __init__(self, prompt: Sequence[int], k: int = 0):
+        n = len(prompt)
+        self.tokens = np.empty(max(16, 2 * n), dtype=np.int64)
+        self.tokens[:n] = prompt
+        self.length = n  # len(S)
+        self.verified = n  # len(V): the prompt is verified by definition
+        self.reported = n  # verified tokens already sent back to the draft
+        self.prompt_len = n
+        self.k = k  # at most this many proposed tokens per step; 0: the caller's k
+        # (fork position, alternative token) -> tokens from the fork on.
+        self.branches: dict[tuple[int, int], np.ndarray] = {}
+        self.branch_tokens = 0
+        self.last_start = -1  # where the last proposal started (len(H) then)
+        self.last_proposal: list[int] = []
+        self.last_outcome = FIRST  # how this request's last verify step ended
+        self.stream: Hashable = None
+
+    def seq(self) -> np.ndarray:
+        return self.tokens[: self.length]
+
+    def put(self, start: int, values: np.ndarray) -> None:
+        """Overwrite from `start` on with `values`; S ends after them."""
+        end = start + len(values)
+        if end > len(self.tokens):
+            grown = np.empty(max(end, 2 * len(self.tokens)), dtype=np.int64)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        self.tokens[start:end] = values
+        self.length = end
