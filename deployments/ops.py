@@ -85,6 +85,7 @@ class OpsViews:
         self._serve_status = serve_status or _serve_deployments
         self._decisions = decisions or pools.fetch
         self._pools: tuple[float, list[dict]] = (float("-inf"), [])
+        self._pools_task: asyncio.Task | None = None
 
     def record(self, r: RequestRecord) -> None:
         """A finished sequence (from the target) into the picture and the metrics."""
@@ -93,16 +94,24 @@ class OpsViews:
             self.metrics.observe(r)
 
     async def pool_rows(self) -> list[dict]:
-        """Replica counts per pool from Serve's status (cached for POOLS_CACHE_S)."""
+        """Replica counts per pool from Serve's status (cached for POOLS_CACHE_S).
+
+        Serve's status can take longer than REMOTE_WAIT_S on a busy node: the
+        refresh then goes on in the background (it fills the cache when it
+        comes) and this view answers with the last counts it knows."""
         at, rows = self._pools
         if time.monotonic() - at < POOLS_CACHE_S:
             return rows
+        if self._pools_task is None or self._pools_task.done():
+            self._pools_task = asyncio.get_running_loop().create_task(self._refresh_pools())
         try:
-            deployments = await asyncio.wait_for(asyncio.to_thread(self._serve_status),
-                                                 REMOTE_WAIT_S)
+            return await asyncio.wait_for(asyncio.shield(self._pools_task), REMOTE_WAIT_S)
         except Exception as e:  # the figures are for people; never fail a view
-            log.warning("serve status unavailable: %s", e)
-            deployments = {}
+            log.warning("serve status unavailable: %s", e or type(e).__name__)
+            return rows if at > float("-inf") else pools.replica_counts({}, self.bounds)
+
+    async def _refresh_pools(self) -> list[dict]:
+        deployments = await asyncio.to_thread(self._serve_status)
         rows = pools.replica_counts(deployments, self.bounds)
         self._pools = (time.monotonic(), rows)
         return rows
