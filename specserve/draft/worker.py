@@ -59,7 +59,17 @@ class DraftWorker:
         if cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus  # ignored on GPUs
         engine, procs = start_engine(engine_args(resolve_draft(model), settings))
-        # Branches from the engine's own logprobs, continued as batched requests.
+        # Branches from the engine's own logprobs, continued as batched requests:
+        # one batched step on an accelerator, but a whole draft step per branch
+        # on a CPU core, where pre-drafting starves the main line (measured:
+        # the draft never got ahead of the target, tests/target/test_faults.py).
+        # So a vLLM draft on CPU does not pre-draft; the synthetic draft models
+        # the accelerator case.
+        from vllm.platforms import current_platform
+
+        if branches is not None and branches.active and current_platform.is_cpu():
+            log.info("draft on CPU: pre-drafting branches is off (each branch costs a draft step)")
+            branches = None
         fan = branches.fan_out if branches is not None and branches.active else 0
         runner = DraftRunner(VllmDraftModel(engine, engine.model_config.max_model_len, fan_out=fan),
                              tls=tls, branches=branches, name=name)
