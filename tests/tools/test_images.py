@@ -5,6 +5,7 @@ image is the one they build (`make image-cpu` / `make image-gpu`)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -24,8 +25,11 @@ def run_steps(dockerfile: Path) -> list[str]:
 
 
 def make_dry_run(*targets: str) -> str:
-    return subprocess.run(["make", "-n", "-B", *targets], cwd=REPO, capture_output=True,
-                          text=True, check=True).stdout
+    """What make would run, as when called from a shell: under `make test` the
+    parent's MAKEFLAGS/MAKELEVEL would add "Entering directory" lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "--no-print-directory", "-n", "-B", *targets], cwd=REPO,
+                          env=env, capture_output=True, text=True, check=True).stdout
 
 
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
