@@ -224,6 +224,7 @@ def _scenario(cell: dict, lookahead: int, prompt_len: int, seed: int):
 def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict],
            draft_points: list[dict]) -> None:
     """The profile from the measured points, and the simulator's prediction per cell."""
+    from specserve.config import lookahead_tokens
     from specserve.tools.measure import profile_from_points
 
     if points:
@@ -240,7 +241,7 @@ def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict]
         for c in report.data["cells"]:
             if c["k"] and not have_alpha1:
                 continue
-            r = predict(report.profile, c, synthetic_lookahead(2 * (c["k"] or 4)),
+            r = predict(report.profile, c, synthetic_lookahead(lookahead_tokens(c["k"] or 4, None)),
                         cfg["prompt_len"])
             c["predicted_tokens_per_s"] = r["tokens_per_s"]
             c["prediction_error"] = c["predicted_tokens_per_s"] / c["output_tokens_per_s"] - 1
@@ -304,8 +305,7 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
             continue
         say(f"starting the target engine ({system}, K={k})")
         draft = "synthetic:1" if k else None
-        async with LocalSpec(target, draft, k=k or 4, lookahead=2 * (k or 4),
-                             settings=settings) as spec:
+        async with LocalSpec(target, draft, k=k or 4, settings=settings) as spec:
             if k:
                 say("recording the target's greedy output for the synthetic draft")
                 everything = profile_prompt_sets() + [p for c in cfg["concurrency"]

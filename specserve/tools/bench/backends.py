@@ -264,14 +264,14 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
             out.append((system, None, lambda: VllmDraftModelBackend(a.target, a.draft, a.k, s)))
         elif system == "specserve":
             out.append((system, None, lambda: LocalBackend("specserve", LocalSpec(
-                a.target, a.draft, k=a.k, lookahead=2 * a.k, settings=s, adaptive_k=True))))
+                a.target, a.draft, k=a.k, settings=s, adaptive_k=True))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
                 spec = (f"synthetic:{alpha:g}"
                         + (f"@{a.synthetic_delay_ms:g}ms" if a.synthetic_delay_ms else "")
                         + f",h{a.synthetic_recovery_hit:g}")
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
-                    "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, lookahead=2 * a.k,
+                    "specserve_synthetic", LocalSpec(a.target, spec, k=a.k,
                                                      settings=s, replay=replay()), alpha)))
         elif system == "vllm_serve":
             from specserve.tools.bench.vllm_serve import VllmServeBackend

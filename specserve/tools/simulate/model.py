@@ -59,7 +59,7 @@ import random
 from collections import deque
 
 from specserve.acceptance.record import percentile
-
+from specserve.config import lookahead_tokens
 from specserve.tools.simulate.profile import Profile
 from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per_hour
 
@@ -449,7 +449,7 @@ def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
           prices: Prices, colocated: bool = False) -> list[Result]:
     """Every (drafts, K) pair (K = 0 once, with no drafts), plus the co-located
     baseline at each K > 0 when asked; each result carries its cost per hour.
-    W is at least 2K (the product default) at each K.
+    W is at least the product default (2K + 1) at each K.
     Sorted best first by goodput per dollar (then throughput)."""
     scenarios = []
     for k in sorted(set(ks)):
@@ -459,7 +459,7 @@ def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
         for n in sorted(set(drafts)):
             if n > 0:
                 scenarios.append(dataclasses.replace(
-                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, 2 * k)))
+                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, lookahead_tokens(k, None))))
         if colocated:
             scenarios.append(dataclasses.replace(base, k=k, drafts=0, colocated=True))
     results = []
