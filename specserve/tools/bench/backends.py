@@ -6,7 +6,8 @@ spec-decode counters, differenced over a level) and `extra()` (figures only
 that system has). Owns starting and stopping each system and timing one
 request; never aggregates (that is `report`) or schedules (that is `run`).
 
-- LocalBackend           target_only, specserve, specserve_synthetic (a LocalSpec);
+- LocalBackend           target_only, specserve_k0, specserve, specserve_synthetic
+                         (a LocalSpec);
 - VllmDraftModelBackend  vLLM's co-located speculative_config "draft_model";
 - HttpBackend            the whole Ray Serve app (`specserve serve`) over HTTP.
 - VllmServeBackend       vLLM's own OpenAI server, target only (vllm_serve.py).
@@ -83,7 +84,7 @@ def _sampling(params: dict):
 
 
 class LocalBackend:
-    """target_only, specserve and specserve_synthetic: a LocalSpec."""
+    """target_only, specserve_k0, specserve and specserve_synthetic: a LocalSpec."""
 
     def __init__(self, system: str, spec, alpha: float | None = None):
         self.system = system
@@ -260,6 +261,9 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
         if system == "target_only":
             out.append((system, None, lambda: LocalBackend(
                 "target_only", LocalSpec(a.target, None, settings=s))))
+        elif system == "specserve_k0":
+            out.append((system, None, lambda: LocalBackend(
+                "specserve_k0", LocalSpec(a.target, None, k=a.k, sink_only=True, settings=s))))
         elif system == "vllm_draft_model":
             out.append((system, None, lambda: VllmDraftModelBackend(a.target, a.draft, a.k, s)))
         elif system == "specserve":
