@@ -17,6 +17,7 @@ the target simply decodes them without drafts.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -29,6 +30,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from specserve.acceptance.record import percentile
 from specserve.control import policy
 from specserve.control.stepcost import StepCostFit
 from specserve.target.book import RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
@@ -40,6 +42,11 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
 DRAFT_NAME_KEY = "x-specserve-draft"  # call metadata: "model/replica" of a draft
 EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
+# The wait's deadline is this percentile of the draft's recent round trips
+# (verified update out -> first fresh drafts): a wait ends as soon as the drafts
+# are in, so a deadline at the mean would give up on half of them.
+ROUND_TRIP_PERCENTILE = 90
+ROUND_TRIP_SAMPLES = 64
 
 
 @dataclasses.dataclass
@@ -105,7 +112,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # fresh drafts in the book, per token). None until measured.
         self._step_s: float | None = None
         self._draft_token_s: float | None = None
-        self._first_token_s: float | None = None  # verified update out -> first fresh draft
+        # verified update out -> first fresh drafts, the latest round trips
+        self._round_trips: collections.deque = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
         self._last_propose: float | None = None
         # The verify step's cost a + b · tokens, fitted over steady decode steps
         # (same rows, every row sampling): what one more verified token costs.
@@ -190,7 +198,9 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         d = self._draft_token_s if self._draft_token_s is not None else self.max_wait_s / max(k, 1)
         return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
                                  self._step_s, d, cost=self._cost_fit.cost(), coverage=coverage,
-                                 max_wait_s=self.max_wait_s, first_token_s=self._first_token_s)
+                                 max_wait_s=self.max_wait_s,
+                                 first_token_s=percentile(self._round_trips,
+                                                          ROUND_TRIP_PERCENTILE))
 
     def _wait(self, histories, misses, k: int, deadline: float) -> dict[int, list[int]]:
         keys = [key for _, key in misses]
@@ -212,7 +222,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             return
         now = time.monotonic()
         if times[1] is None:
-            self._first_token_s = _ewma(self._first_token_s, now - times[0])
+            self._round_trips.append(now - times[0])
             if added >= 4:  # the draft sends its tokens in bulk: no wait per token
                 self._draft_token_s = _ewma(self._draft_token_s, 0.0)
                 del self._miss_sent[key]

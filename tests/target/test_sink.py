@@ -391,6 +391,11 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
         assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == 0.0
         sink._draft_token_s = 0.01
         assert sink.wait_bound(rows=64, waiting_rows=1, k=3) == 0.0
+        # A draft that sends its drafts at once: the deadline is the 90th
+        # percentile of its round trips, not their mean (0.0032 s here).
+        sink._draft_token_s = 0.0
+        sink._round_trips.extend([0.002] * 8 + [0.006, 0.010])
+        assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == pytest.approx(0.0064)
         c.close()
     finally:
         sink.stop()
