@@ -396,16 +396,21 @@ class _Sim:
         self.branch_hits += 1
 
     def wait_bound(self, t: int, rows: int, misses: int) -> float:
-        """The sink's bound (ms), from the same rate model, with this draft's speed."""
+        """The sink's bound (ms), from the same rate model, with this draft's speed
+        and, as the sink fits it, the verify step's cost per token at this batch."""
         if not misses or self.p.draft is None:
             return 0.0
-        from specserve.control.policy import wait_bound
+        from specserve.control.policy import StepCost, wait_bound
 
-        step_ms = self.last_step_ms[t] or self.p.target.step(rows, rows)
+        step = self.p.target.step
+        step_ms = self.last_step_ms[t] or step(rows, rows)
+        k = max(self.sc.k, 1)
+        per_token_ms = max(step(rows * (1 + k), rows) - step(rows, rows), 0.0) / (rows * k)
+        cost = StepCost(max(step(rows, rows) - rows * per_token_ms, 0.0) / 1e3, per_token_ms / 1e3)
         draft_ms = self.p.draft.step(max(len(self.d_requests[0]) if self.d_requests else 1, 1))
         # the first fresh token: the round trip and one draft step; then one per step
         return 1e3 * wait_bound(self.sc.alpha, self.sc.k, rows, misses, step_ms / 1e3,
-                                draft_ms / 1e3, max_wait_s=self.sc.max_wait_ms / 1e3,
+                                draft_ms / 1e3, cost=cost, max_wait_s=self.sc.max_wait_ms / 1e3,
                                 first_token_s=(draft_ms + self.sc.rtt_ms) / 1e3)
 
     # ---- result ----
