@@ -259,8 +259,8 @@ def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float
     w_j = first_token_s + (j − 1) · draft_token_s (or j · draft_token_s) gives
     each of them j drafts, i.e.
     E(α, j) − 1 more tokens this step, and delays every row by as long: with a
-    step of `step_s` seconds (a + b · tokens; `cost` gives b, else the V_IDLE
-    floor), the batch emits
+    step of `step_s` seconds (a + b · tokens; a measured `cost` gives b, else
+    b = V_IDLE · step_s), the batch emits
 
         X  = (rows − m) (1 + cov (E(α, K) − 1)) + m      tokens in step_s
         X' = X + m (E(α, j) − 1)                           in step_s + w_j + b·m·j
@@ -278,7 +278,9 @@ def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float
             return 0.0
         first_token_s = draft_token_s
     if cost is not None and cost.measured:
-        b = max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
+        # As measured: the sink fits its own engine's steps at this batch, so the
+        # V_IDLE floor (which stands in for costs a fit cannot see) is not needed.
+        b = cost.per_token
     else:
         b = V_IDLE * step_s
     others = (rows - m) * (1.0 + min(max(coverage, 0.0), 1.0) * (expected_tokens(alpha, k) - 1.0))

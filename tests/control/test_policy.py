@@ -191,5 +191,8 @@ def test_wait_bound_uses_the_measured_cost_of_a_verified_token():
                 coverage=0.76, max_wait_s=0.05, first_token_s=0.002)
     assert wait_bound(**args) == 0.0
     assert wait_bound(**args, cost=StepCost(0.1, 0.004)) == 0.002
+    # ... and for one such row of the eight too: the measured cost is used as
+    # measured (4 ms, not the floor of 5 % of a one-row step).
+    assert wait_bound(**{**args, "waiting_rows": 1}, cost=StepCost(0.1, 0.004)) == 0.002
     # A verify step where every token costs as much as a whole row's step: no.
     assert wait_bound(**args, cost=StepCost(0.0, 0.03)) == 0.0
