@@ -120,7 +120,8 @@ class StandInTarget:
 
 
 class StandInDraft:
-    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
+    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None,
+                 speculation: dict | None = None):
         from deployments import replica_name
 
         self.name = replica_name()
