@@ -210,18 +210,22 @@ def test_real_cpu_engine_tp2_through_vllms_ray_executor(cluster, tiny_models):
             got.append(body["choices"][0]["text"])
         assert got == want
 
-        # The engine's TP workers are Ray actors (vLLM's RayWorkerWrapper) in
-        # the target replica's placement group, one per bundle, on one node.
+        # The engine's TP workers are Ray actors (vLLM 0.32's default Ray
+        # executor, RayExecutorV2, makes RayWorkerProc actors) in the target
+        # replica's own placement group, one per bundle, on the replica's node;
+        # the replica actor itself sits in bundle 0 of that group.
         from ray.util.state import list_actors
 
-        workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-                   if a.class_name == "RayWorkerWrapper"]
-        assert len(workers) == 2
-        pgs = {a.placement_group_id for a in workers}
-        assert len(pgs) == 1
-        pg = _pg_bundles(pgs.pop())
+        alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+        replicas = [a for a in alive if a.class_name == "ServeReplica:specserve:target"]
+        assert len(replicas) == 1, [a.class_name for a in alive]
+        replica = replicas[0]
+        workers = [a for a in alive if a.placement_group_id == replica.placement_group_id
+                   and a.actor_id != replica.actor_id]
+        assert sorted(a.class_name for a in workers) == ["RayWorkerProc"] * 2
+        pg = _pg_bundles(replica.placement_group_id)
         assert len(pg["bundles"]) == 2 and all(b["GPU"] == 1.0 for b in pg["bundles"].values())
-        assert len({a.node_id for a in workers}) == 1
+        assert {a.node_id for a in workers} == {replica.node_id}
         node = cluster.node_names()[workers[0].node_id]
         assert node.startswith("large-")
         # vLLM's own engine metrics, exported by the target replica through
