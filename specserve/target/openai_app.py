@@ -2,7 +2,9 @@
 
 Owns: building vLLM's FastAPI app (`vllm.entrypoints.launchers.app.build_app`
 and `init_app_state`, as `vllm serve` and Ray Serve LLM's VLLMEngine do) on a
-given engine client, with the engine's own arguments; and `call`, which runs
+given engine client, with the engine's own arguments and the tool-call
+parser of specserve's config; `config_hint`, which names specserve's config
+where vLLM's error messages name `vllm serve` flags; and `call`, which runs
 one HTTP request through an ASGI app without a socket and yields the response
 as it is produced (start, then body chunks).
 
@@ -15,14 +17,19 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import re
 from collections.abc import AsyncIterator
 
 
-async def build(engine_client, model: str, served_name: str):
+async def build(engine_client, model: str, served_name: str,
+                tool_call_parser: str | None = None):
     """vLLM's OpenAI app (completions, chat, responses, tokenize, models, ...)
     for the model folder `model`, served as `served_name`, on `engine_client`
     (whose own config is what the serving classes read: context, tokenizer,
-    generation defaults)."""
+    generation defaults). tool_call_parser: vLLM's parser of the model's tool
+    calls (`vllm serve --enable-auto-tool-choice --tool-call-parser NAME`);
+    None: a chat request with tools and a tool_choice other than "none" gets
+    vLLM's 400 (see `config_hint`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -33,6 +40,8 @@ async def build(engine_client, model: str, served_name: str):
     args = argparse.Namespace(**(vars(FrontendArgs())
                                  | vars(AsyncEngineArgs(model=model, disable_log_stats=False))))
     args.served_model_name = [served_name]
+    args.enable_auto_tool_choice = tool_call_parser is not None
+    args.tool_call_parser = tool_call_parser
     tasks = await engine_client.get_supported_tasks()
     app = build_app(args, supported_tasks=tasks, model_config=engine_client.model_config)
     await init_app_state(engine_client, app.state, args, supported_tasks=tasks)
@@ -42,6 +51,37 @@ async def build(engine_client, model: str, served_name: str):
 
     app.state.server = types.SimpleNamespace()
     return app
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """ValueError unless `name` is None or one of vLLM's registered tool-call parsers."""
+    if name is None:
+        return
+    from vllm.tool_parsers import ToolParserManager
+
+    known = sorted(ToolParserManager.list_registered())
+    if name not in known:
+        raise ValueError(f"target.tool_call_parser {name!r} is not one of vLLM's tool-call "
+                         f"parsers: {', '.join(known)}")
+
+
+# vLLM's messages that name its own command-line flags, and what sets the same
+# thing in specserve's config.
+_FLAG_HINTS = [
+    (re.compile(r"--enable-auto-tool-choice and --tool-call-parser to be set"
+                r"|--tool-call-parser to be set"),
+     "target.tool_call_parser to be set in specserve's config (vLLM's "
+     "--enable-auto-tool-choice --tool-call-parser)"),
+]
+
+
+def config_hint(body: bytes) -> bytes:
+    """An error body of vLLM's with its `vllm serve` flags named as specserve's
+    config fields (the body is otherwise unchanged)."""
+    text = body.decode("utf-8", "replace")
+    for pattern, hint in _FLAG_HINTS:
+        text = pattern.sub(hint, text)
+    return text.encode()
 
 
 def _scope(method: str, path: str, query: str, headers: list[tuple[str, str]]) -> dict:
