@@ -217,3 +217,18 @@ def test_an_unknown_tool_call_parser_is_refused_with_the_known_ones():
     openai_app.check_tool_call_parser("hermes")
     with pytest.raises(ValueError, match="'hermez' is not one of vLLM's tool-call parsers: .*hermes"):
         openai_app.check_tool_call_parser("hermez")
+
+
+def test_body_chunks_queued_while_the_caller_was_busy_go_on_as_one():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (b"data: a\n\n", b"data: b\n\n", b""):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: c\n\n", "more_body": False})
+
+    async def go():
+        return [item async for item in openai_app.call(app, "POST", "/x", "", [], b"")]
+
+    assert asyncio.run(go()) == [{"status": 200, "headers": []},
+                                 b"data: a\n\ndata: b\n\ndata: c\n\n"]
