@@ -70,12 +70,19 @@ def serve_config(args):
     if cfg.target.model is not None:
         model_dir(cfg.target.model, "target")
     if cfg.target.tool_call_parser is not None:  # (imports vLLM: only when set)
+        import logging
+
         from specserve.target.openai_app import check_tool_call_parser
 
+        vllm_log = logging.getLogger("vllm")
+        level = vllm_log.level
+        vllm_log.setLevel(logging.ERROR)  # not its import-time notes: one line on error
         try:
             check_tool_call_parser(cfg.target.tool_call_parser)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        finally:
+            vllm_log.setLevel(level)
     for d in cfg.drafts:
         draft_dir(d.model)
     return cfg, tokenizers_compatible
