@@ -307,10 +307,12 @@ def test_drafts_were_used(specserve_server):
 
 @pytest.mark.parametrize("name", ["chat tools required", "chat tools named"])
 def test_tool_calls_come_back_as_tool_calls(specserve_server, name):
-    """The tool cases above compare real tool calls, not two equal errors."""
+    """The tool cases above compare real tool calls, not two equal errors.
+    (vLLM's default tool_strict_level constrains the call's envelope, the
+    function's name; the tiny model's arguments are JSON, not always the schema's.)"""
     status, reply = call(specserve_server, *CASES[name])
     assert status == 200, reply
     [choice] = reply["choices"]
     [tool_call] = choice["message"]["tool_calls"]
-    assert tool_call["function"]["name"] == "weather"
-    assert json.loads(tool_call["function"]["arguments"])["unit"] in ("c", "f")
+    assert tool_call["type"] == "function" and tool_call["function"]["name"] == "weather"
+    json.loads(tool_call["function"]["arguments"])
