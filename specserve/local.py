@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from specserve.acceptance.record import Acceptance, Figures
-from specserve.config import lookahead_problem
+from specserve.config import lookahead_problem, lookahead_tokens
 from specserve.target.engine import EngineSettings, SpecTotals, TargetEngine, cpu_binding
 from specserve.ports import free_port
 from specserve.v1 import spec_pb2, spec_pb2_grpc
@@ -55,7 +55,7 @@ class LocalSpec:
         target: str,
         draft: str | None,
         k: int = 4,
-        lookahead: int = 8,
+        lookahead: int | None = None,
         tp: int = 1,
         settings: EngineSettings | None = None,
         draft_ready_timeout: float = 300.0,
@@ -89,7 +89,7 @@ class LocalSpec:
         self.replay = replay
         self.k = k if (draft is not None or sink_only) else 0
         self.sink_only = sink_only
-        self.lookahead = lookahead
+        self.lookahead = lookahead_tokens(k, lookahead)
         self.tp = tp
         self.settings = settings or EngineSettings()
         self.draft_ready_timeout = draft_ready_timeout

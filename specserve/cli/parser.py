@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K: drafted tokens verified per target step")
     g.add_argument("--lookahead", type=positive_int("lookahead"), default=None,
-                   help="W: how far past the verified position a draft runs (> K; default 2K)")
+                   help="W: how far past the verified position a draft runs (> K; default 2K + 1)")
     g.add_argument("--target-tp", type=positive_int("target-tp"), default=1,
                    help="tensor-parallel size of the target")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")

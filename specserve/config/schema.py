@@ -473,7 +473,7 @@ class AppConfig(_Strict):
         return AppConfig.from_dict(data, source="command line")
 
     def lookahead_tokens(self) -> int:
-        """The effective W (lookahead, or 2K when unset)."""
+        """The effective W (lookahead, or 2K + 1 when unset)."""
         return self.speculation.lookahead_tokens()
 
     def to_yaml(self) -> str:

@@ -13,8 +13,14 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 def lookahead_tokens(k: int, lookahead: int | None) -> int:
-    """The effective W: `lookahead`, or 2K when it is unset."""
-    return lookahead if lookahead is not None else 2 * k
+    """The effective W: `lookahead`, or 2K + 1 when it is unset.
+
+    2K + 1 is the least that leaves a whole window of K drafts waiting after a
+    fully accepted step: that step verifies K drafts and the bonus token, and
+    the next window is the K positions after those."""
+    if lookahead is not None:
+        return lookahead
+    return 2 * k + 1 if k > 0 else 0
 
 
 def lookahead_problem(k: int, lookahead: int | None, k_name: str = "num_speculative_tokens",
@@ -25,7 +31,7 @@ def lookahead_problem(k: int, lookahead: int | None, k_name: str = "num_speculat
     it, each naming the settings as its user spells them."""
     if k > 0 and lookahead is not None and lookahead <= k:
         return (f"{lookahead_name} ({lookahead}) must be greater than {k_name} ({k}); raise "
-                f"{lookahead_name} or remove it to use 2K ({2 * k})")
+                f"{lookahead_name} or remove it to use 2K + 1 ({lookahead_tokens(k, None)})")
     return None
 
 
@@ -39,7 +45,8 @@ class SpeculationConfig(_Strict):
     lookahead: int | None = Field(
         None, ge=1,
         description="W: how many tokens past the last verified position a draft may run; "
-                    "must be greater than K. Null: 2K.")
+                    "must be greater than K. Null: 2K + 1 (a whole window after a fully "
+                    "accepted step).")
     branch_fan_out: int = Field(
         3, ge=0, le=16,
         description="F: at most this many alternatives a draft pre-drafts at one position "

@@ -238,13 +238,17 @@ def fan_out(alpha: float, positions: int, budget: int, max_fan_out: int,
 
 
 MAX_WAIT_S = 0.25  # no configuration waits longer than this per step
+# A wait is decided afresh each step and is bounded, so it only has to beat the
+# noise of the step estimates, not the K controller's margin (which guards a
+# decision held for whole requests).
+WAIT_MARGIN = 0.01
 
 
 def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float,
                draft_token_s: float | None, cost: StepCost | None = None,
                coverage: float = 1.0, max_wait_s: float = MAX_WAIT_S,
                first_token_s: float | None = None,
-               margin: float = Thresholds.margin) -> float:
+               margin: float = WAIT_MARGIN) -> float:
     """Seconds the proposer may hold a verify step for fresh drafts.
 
     `waiting_rows` of the batch's `rows` just had a rejection and found no

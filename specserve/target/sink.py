@@ -17,6 +17,7 @@ the target simply decodes them without drafts.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -29,7 +30,9 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from specserve.acceptance.record import percentile
 from specserve.control import policy
+from specserve.control.stepcost import StepCostFit
 from specserve.target.book import RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
@@ -39,6 +42,11 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
 DRAFT_NAME_KEY = "x-specserve-draft"  # call metadata: "model/replica" of a draft
 EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
+# The wait's deadline is this percentile of the draft's recent round trips
+# (verified update out -> first fresh drafts): a wait ends as soon as the drafts
+# are in, so a deadline at the mean would give up on half of them.
+ROUND_TRIP_PERCENTILE = 90
+ROUND_TRIP_SAMPLES = 64
 
 
 @dataclasses.dataclass
@@ -104,8 +112,13 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # fresh drafts in the book, per token). None until measured.
         self._step_s: float | None = None
         self._draft_token_s: float | None = None
-        self._first_token_s: float | None = None  # verified update out -> first fresh draft
+        # verified update out -> first fresh drafts, the latest round trips
+        self._round_trips: collections.deque = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
         self._last_propose: float | None = None
+        # The verify step's cost a + b · tokens, fitted over steady decode steps
+        # (same rows, every row sampling): what one more verified token costs.
+        self._cost_fit = StepCostFit()
+        self._last_step: tuple[int, int] | None = None  # (rows, tokens) of the step started last
         # key -> [when its miss's update went out, when the first fresh drafts came]
         self._miss_sent: dict = {}
         self._retired: dict[str, BookStats] = {}  # figures of closed streams, by draft
@@ -130,6 +143,9 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             if self._last_propose is not None and start - self._last_propose < 2.0:
                 # (longer: the engine was idle, not stepping)
                 self._step_s = _ewma(self._step_s, start - self._last_propose)
+                if self._last_step is not None and self._last_step[0] == len(histories) \
+                        and all(active):
+                    self._cost_fit.add(self._last_step[1], start - self._last_propose)
             proposals, updates = self._book.propose(histories, k, max_advance=k + 1, active=active)
             misses = list(self._book.misses)
             streams = dict(self._streams)
@@ -164,8 +180,11 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             for name in {s_.name for s_ in streams.values()}:
                 self._waits.setdefault(name, WaitFigures()).steps += 1
             # The engine's step is the time from here to the next propose (the
-            # forward pass); a wait is not part of it.
+            # forward pass); a wait is not part of it. It verifies one token per
+            # sampling row plus what is proposed now.
             self._last_propose = time.monotonic()
+            self._last_step = (len(histories),
+                               sum(1 for a in active if a) + sum(len(p) for p in proposals))
         return proposals
 
     def wait_bound(self, rows: int, waiting_rows: int, k: int) -> float:
@@ -178,8 +197,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # Unknown draft speed: probe with a share of the cap, then measure.
         d = self._draft_token_s if self._draft_token_s is not None else self.max_wait_s / max(k, 1)
         return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
-                                 self._step_s, d, coverage=coverage, max_wait_s=self.max_wait_s,
-                                 first_token_s=self._first_token_s)
+                                 self._step_s, d, cost=self._cost_fit.cost(), coverage=coverage,
+                                 max_wait_s=self.max_wait_s,
+                                 first_token_s=percentile(self._round_trips,
+                                                          ROUND_TRIP_PERCENTILE))
 
     def _wait(self, histories, misses, k: int, deadline: float) -> dict[int, list[int]]:
         keys = [key for _, key in misses]
@@ -201,7 +222,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             return
         now = time.monotonic()
         if times[1] is None:
-            self._first_token_s = _ewma(self._first_token_s, now - times[0])
+            self._round_trips.append(now - times[0])
             if added >= 4:  # the draft sends its tokens in bulk: no wait per token
                 self._draft_token_s = _ewma(self._draft_token_s, 0.0)
                 del self._miss_sent[key]

@@ -224,6 +224,7 @@ def _scenario(cell: dict, lookahead: int, prompt_len: int, seed: int):
 def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict],
            draft_points: list[dict]) -> None:
     """The profile from the measured points, and the simulator's prediction per cell."""
+    from specserve.config import lookahead_tokens
     from specserve.tools.measure import profile_from_points
 
     if points:
@@ -238,9 +239,9 @@ def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict]
                 "points": [[p["tokens_per_step"], p["step_ms"]] for p in draft_points]}
         have_alpha1 = any(p.get("alpha") == 1.0 for p in points)
         for c in report.data["cells"]:
-            if c["k"] and not have_alpha1:
-                continue
-            r = predict(report.profile, c, synthetic_lookahead(2 * (c["k"] or 4)),
+            if (c["k"] and not have_alpha1) or c["system"] == "specserve_k0":
+                continue  # (the simulator has no proposer-without-draft case)
+            r = predict(report.profile, c, synthetic_lookahead(lookahead_tokens(c["k"] or 4, None)),
                         cfg["prompt_len"])
             c["predicted_tokens_per_s"] = r["tokens_per_s"]
             c["prediction_error"] = c["predicted_tokens_per_s"] / c["output_tokens_per_s"] - 1
@@ -296,7 +297,11 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
 
     points: list[dict] = []
     long_len = max(cfg["max_tokens"], max(cfg["profile_lengths"]))
-    systems = [("target_only", 0)] + [("specserve_synthetic", k) for k in cfg["ks"]]
+    # specserve_k0: the same engine with the proposer plugged in and no draft
+    # (every step at K = 0): against target_only, what its mere presence costs
+    # (on a GPU vLLM runs a custom_class proposer without async scheduling).
+    systems = [("target_only", 0), ("specserve_k0", 0)] + [("specserve_synthetic", k)
+                                                             for k in cfg["ks"]]
     for system, k in systems:
         if time_left() < 60:
             report.data["skipped"].append(f"{system} K={k}: time budget spent")
@@ -304,8 +309,8 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
             continue
         say(f"starting the target engine ({system}, K={k})")
         draft = "synthetic:1" if k else None
-        async with LocalSpec(target, draft, k=k or 4, lookahead=2 * (k or 4),
-                             settings=settings) as spec:
+        async with LocalSpec(target, draft, k=k or 4, settings=settings,
+                             sink_only=system == "specserve_k0") as spec:
             if k:
                 say("recording the target's greedy output for the synthetic draft")
                 everything = profile_prompt_sets() + [p for c in cfg["concurrency"]

@@ -47,7 +47,7 @@ def test_embedded_default_loads():
     assert cfg.target.engine.max_model_len == 2048
     assert [(d.name, d.model) for d in cfg.drafts] == [("smollm2-distill", "default")]
     assert cfg.speculation.num_speculative_tokens == 4
-    assert cfg.lookahead_tokens() == 8
+    assert cfg.lookahead_tokens() == 9
     assert (cfg.http.host, cfg.http.port) == ("127.0.0.1", 8000)
     assert cfg.ray.num_cpus == 2 and cfg.ray.address is None
 
@@ -60,7 +60,7 @@ def test_gpu_example_loads():
     assert [d.name for d in cfg.drafts] == ["llama-1b", "llama-8b"]
     assert all(d.resources.accelerator_type == "L4" for d in cfg.drafts)
     assert cfg.speculation.num_speculative_tokens == 4
-    assert cfg.lookahead_tokens() == 8
+    assert cfg.lookahead_tokens() == 9
 
 
 # ---- defaults ------------------------------------------------------------------
@@ -84,8 +84,8 @@ def test_defaults():
     assert DraftConfig(name="d", model="/m").max_ongoing_requests == 256
 
 
-def test_lookahead_defaults_to_2k():
-    assert SpeculationConfig(num_speculative_tokens=3).lookahead_tokens() == 6
+def test_lookahead_defaults_to_a_whole_window_after_a_full_accept():
+    assert SpeculationConfig(num_speculative_tokens=3).lookahead_tokens() == 7
     assert SpeculationConfig(num_speculative_tokens=3, lookahead=5).lookahead_tokens() == 5
     assert SpeculationConfig(num_speculative_tokens=0).lookahead_tokens() == 0
 
@@ -259,7 +259,7 @@ def test_the_lookahead_rule_names_the_settings_as_the_caller_spells_them():
     assert lookahead_problem(0, 0) is None  # target-only: no W
     assert lookahead_problem(4, 4, "--num-speculative-tokens", "--lookahead") == (
         "--lookahead (4) must be greater than --num-speculative-tokens (4); raise "
-        "--lookahead or remove it to use 2K (8)")
+        "--lookahead or remove it to use 2K + 1 (9)")
 
 
 def test_overrides_are_validated():

@@ -177,3 +177,19 @@ def test_wait_bound_counts_the_round_trip_to_the_first_fresh_draft():
     assert w in (0.021, 0.041, 0.061, 0.081)
     # Without a first-token latency and no per-token time: nothing to go on.
     assert wait_bound(0.8, 4, 1, 1, 0.065, 0.0) == 0.0
+
+
+def test_wait_bound_uses_the_measured_cost_of_a_verified_token():
+    from specserve.control.policy import StepCost, wait_bound
+
+    # 8 rows, 2 of them after a rejection with no branch, a draft that answers
+    # in 2 ms. Modelled (a verified token costs 5 % of a step) the wait does not
+    # pay; with the measured cost of a CPU verify step at this batch
+    # (0.1 s + 4 ms a token) it does: the wait holds 8 rows for 2 ms, the two
+    # rows verify K drafts each instead of none.
+    args = dict(alpha=0.8, k=4, rows=8, waiting_rows=2, step_s=0.25, draft_token_s=0.0,
+                coverage=0.76, max_wait_s=0.05, first_token_s=0.002)
+    assert wait_bound(**args) == 0.0
+    assert wait_bound(**args, cost=StepCost(0.1, 0.004)) == 0.002
+    # A verify step where every token costs as much as a whole row's step: no.
+    assert wait_bound(**args, cost=StepCost(0.0, 0.03)) == 0.0

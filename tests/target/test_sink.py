@@ -349,6 +349,31 @@ def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
         sink.stop()
 
 
+def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
+    """step seconds = a + b · tokens from the time between proposes; a step in
+    which rows came or went (a prefill) or a row did not sample is left out."""
+    import types
+
+    import specserve.target.sink as sink_module
+
+    now = [100.0]
+    monkeypatch.setattr(sink_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    sink = DraftSink(vocab_size=100, max_wait_s=0.05)
+    a, b = 0.05, 0.01
+    prev = None
+    for rows in [1] * 12 + [8] * 12 + [3] * 2:
+        if prev is not None:
+            now[0] += a + b * prev + (0.5 if rows != prev else 0.0)
+        active = [True] * rows
+        if rows == 3:
+            active[0] = False  # a row still in its prefill: not a decode step
+        assert sink.propose([h(1, 2, 3)] * rows, active, k=3) == [[]] * rows
+        prev = rows
+    fit = sink._cost_fit.fit()
+    assert fit is not None and len(sink._cost_fit) == 22
+    assert abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
+
+
 def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
     sink = DraftSink(vocab_size=100, max_pending=16, max_wait_s=0.08)
     sink.start("127.0.0.1:0")
@@ -366,6 +391,11 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
         assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == 0.0
         sink._draft_token_s = 0.01
         assert sink.wait_bound(rows=64, waiting_rows=1, k=3) == 0.0
+        # A draft that sends its drafts at once: the deadline is the 90th
+        # percentile of its round trips, not their mean (0.0032 s here).
+        sink._draft_token_s = 0.0
+        sink._round_trips.extend([0.002] * 8 + [0.006, 0.010])
+        assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == pytest.approx(0.0064)
         c.close()
     finally:
         sink.stop()

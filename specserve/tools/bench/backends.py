@@ -6,7 +6,8 @@ spec-decode counters, differenced over a level) and `extra()` (figures only
 that system has). Owns starting and stopping each system and timing one
 request; never aggregates (that is `report`) or schedules (that is `run`).
 
-- LocalBackend           target_only, specserve, specserve_synthetic (a LocalSpec);
+- LocalBackend           target_only, specserve_k0, specserve, specserve_synthetic
+                         (a LocalSpec);
 - VllmDraftModelBackend  vLLM's co-located speculative_config "draft_model";
 - HttpBackend            the whole Ray Serve app (`specserve serve`) over HTTP.
 - VllmServeBackend       vLLM's own OpenAI server, target only (vllm_serve.py).
@@ -83,7 +84,7 @@ def _sampling(params: dict):
 
 
 class LocalBackend:
-    """target_only, specserve and specserve_synthetic: a LocalSpec."""
+    """target_only, specserve_k0, specserve and specserve_synthetic: a LocalSpec."""
 
     def __init__(self, system: str, spec, alpha: float | None = None):
         self.system = system
@@ -260,18 +261,21 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
         if system == "target_only":
             out.append((system, None, lambda: LocalBackend(
                 "target_only", LocalSpec(a.target, None, settings=s))))
+        elif system == "specserve_k0":
+            out.append((system, None, lambda: LocalBackend(
+                "specserve_k0", LocalSpec(a.target, None, k=a.k, sink_only=True, settings=s))))
         elif system == "vllm_draft_model":
             out.append((system, None, lambda: VllmDraftModelBackend(a.target, a.draft, a.k, s)))
         elif system == "specserve":
             out.append((system, None, lambda: LocalBackend("specserve", LocalSpec(
-                a.target, a.draft, k=a.k, lookahead=2 * a.k, settings=s, adaptive_k=True))))
+                a.target, a.draft, k=a.k, settings=s, adaptive_k=True))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
                 spec = (f"synthetic:{alpha:g}"
                         + (f"@{a.synthetic_delay_ms:g}ms" if a.synthetic_delay_ms else "")
                         + f",h{a.synthetic_recovery_hit:g}")
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
-                    "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, lookahead=2 * a.k,
+                    "specserve_synthetic", LocalSpec(a.target, spec, k=a.k,
                                                      settings=s, replay=replay()), alpha)))
         elif system == "vllm_serve":
             from specserve.tools.bench.vllm_serve import VllmServeBackend

@@ -5,6 +5,10 @@ system in turn and driving it through every concurrency level. The systems are
 in `backends`, the rows and tables in `report`, the prompts in `workload`:
 
 - target_only         the target vLLM engine alone (LocalSpec without a draft);
+- specserve_k0        the target engine with specserve's proposer and no draft:
+                      every step at K = 0, so against target_only it is what
+                      the proposer's mere presence costs (vLLM runs a
+                      custom_class proposer without async scheduling);
 - vllm_draft_model    vLLM's own co-located speculative decoding
                       (speculative_config method "draft_model", same K), on the
                       target's core(s); greedy only (see below);

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from specserve.config import lookahead_tokens
 from specserve.tools.simulate.model import simulate, sweep
 from specserve.tools.simulate.profile import DraftCost, Profile, StepProfile, TargetCost
 from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per_hour
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
     s.add_argument("--targets", type=int, default=1, help="M target replicas (default 1)")
     s.add_argument("--drafts", type=int, default=1, help="N draft replicas (default 1)")
     s.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=4)
-    s.add_argument("--lookahead", type=int, default=None, help="W (default 2K)")
+    s.add_argument("--lookahead", type=int, default=None, help="W (default 2K + 1, as the product)")
     s.add_argument("--alpha", type=float, default=0.8, help="acceptance per drafted token")
     s.add_argument("--rtt-ms", type=float, default=0.0, help="draft <-> target round trip")
     s.add_argument("--concurrency", type=int, default=None,
@@ -94,7 +95,7 @@ def scenario_from_args(args) -> Scenario:
     concurrency = args.concurrency
     if concurrency is None and args.rate is None:
         concurrency = 8
-    lookahead = args.lookahead if args.lookahead is not None else max(2 * args.k, args.k + 1)
+    lookahead = lookahead_tokens(args.k, args.lookahead)
     return Scenario(
         targets=args.targets, drafts=0 if args.colocated else args.drafts, k=args.k,
         lookahead=lookahead, alpha=args.alpha, rtt_ms=args.rtt_ms,

@@ -59,7 +59,7 @@ import random
 from collections import deque
 
 from specserve.acceptance.record import percentile
-
+from specserve.config import lookahead_tokens
 from specserve.tools.simulate.profile import Profile
 from specserve.tools.simulate.scenario import Prices, Result, Scenario, cost_per_hour
 
@@ -396,16 +396,21 @@ class _Sim:
         self.branch_hits += 1
 
     def wait_bound(self, t: int, rows: int, misses: int) -> float:
-        """The sink's bound (ms), from the same rate model, with this draft's speed."""
+        """The sink's bound (ms), from the same rate model, with this draft's speed
+        and, as the sink fits it, the verify step's cost per token at this batch."""
         if not misses or self.p.draft is None:
             return 0.0
-        from specserve.control.policy import wait_bound
+        from specserve.control.policy import StepCost, wait_bound
 
-        step_ms = self.last_step_ms[t] or self.p.target.step(rows, rows)
+        step = self.p.target.step
+        step_ms = self.last_step_ms[t] or step(rows, rows)
+        k = max(self.sc.k, 1)
+        per_token_ms = max(step(rows * (1 + k), rows) - step(rows, rows), 0.0) / (rows * k)
+        cost = StepCost(max(step(rows, rows) - rows * per_token_ms, 0.0) / 1e3, per_token_ms / 1e3)
         draft_ms = self.p.draft.step(max(len(self.d_requests[0]) if self.d_requests else 1, 1))
         # the first fresh token: the round trip and one draft step; then one per step
         return 1e3 * wait_bound(self.sc.alpha, self.sc.k, rows, misses, step_ms / 1e3,
-                                draft_ms / 1e3, max_wait_s=self.sc.max_wait_ms / 1e3,
+                                draft_ms / 1e3, cost=cost, max_wait_s=self.sc.max_wait_ms / 1e3,
                                 first_token_s=(draft_ms + self.sc.rtt_ms) / 1e3)
 
     # ---- result ----
@@ -449,7 +454,7 @@ def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
           prices: Prices, colocated: bool = False) -> list[Result]:
     """Every (drafts, K) pair (K = 0 once, with no drafts), plus the co-located
     baseline at each K > 0 when asked; each result carries its cost per hour.
-    W is at least 2K (the product default) at each K.
+    W is at least the product default (2K + 1) at each K.
     Sorted best first by goodput per dollar (then throughput)."""
     scenarios = []
     for k in sorted(set(ks)):
@@ -459,7 +464,7 @@ def sweep(profile: Profile, base: Scenario, drafts: list[int], ks: list[int],
         for n in sorted(set(drafts)):
             if n > 0:
                 scenarios.append(dataclasses.replace(
-                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, 2 * k)))
+                    base, k=k, drafts=n, colocated=False, lookahead=max(base.lookahead, lookahead_tokens(k, None))))
         if colocated:
             scenarios.append(dataclasses.replace(base, k=k, drafts=0, colocated=True))
     results = []

@@ -24,7 +24,7 @@ class Scenario:
     targets: int = 1             # M target replicas
     drafts: int = 1              # N draft replicas (0: target-only, or co-located)
     k: int = 4                   # K: drafted tokens verified per request-step (0: no speculation)
-    lookahead: int = 8           # W: how far a draft runs past the verified position it knows
+    lookahead: int = 9           # W (2K + 1, the product default): how far a draft runs past the verified position it knows
     alpha: float = 0.8           # chance that a drafted token is the target's
     rtt_ms: float = 0.0          # draft <-> target network round trip
     concurrency: int | None = 8  # closed loop: this many requests in flight ...
