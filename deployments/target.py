@@ -51,6 +51,7 @@ class TargetServer:
         self.k = self.config.speculation.num_speculative_tokens if self.drafts else 0
         self.lookahead = self.config.lookahead_tokens()
         self.model_dir = t.model or str(ensure_default_model())
+        openai_app.check_tool_call_parser(t.tool_call_parser)
         os.environ.update(t.resources.env)
         target_cpus, _ = cpu_binding(t.tensor_parallel_size)
         # On GPUs the replica actor holds no GPU: vLLM's Ray executor puts the
@@ -88,14 +89,20 @@ class TargetServer:
         per step, for every engine request this HTTP request makes (None, 0:
         the target alone). Yields {"status", "headers"}, the body's chunks,
         and last {"records": [RequestRecord, ...]}: one per finished sequence,
-        with vLLM's spec-decode figures for it."""
+        with vLLM's spec-decode figures for it. Error bodies name specserve's
+        config where vLLM's name its flags (`openai_app.config_hint`)."""
         app = await self._openai_app()
         route = Route(draft, min(k, self.k))
         context = contextvars.copy_context()  # the app's task runs in it
         context.run(ROUTE.set, route)
         calls = openai_app.call(app, method, path, query, headers, body, context)
+        failed = False
         async with contextlib.aclosing(calls):
             async for item in calls:
+                if isinstance(item, dict):
+                    failed = item["status"] >= 400
+                elif failed:
+                    item = openai_app.config_hint(item)
                 yield item
         yield {"records": route.records}
 
@@ -104,8 +111,9 @@ class TargetServer:
             self._app_lock = self._app_lock or asyncio.Lock()
             async with self._app_lock:
                 if self._app is None:
+                    t = self.config.target
                     self._app = await openai_app.build(self.client, self.model_dir,
-                                                       self.config.target.served_name())
+                                                       t.served_name(), t.tool_call_parser)
         return self._app
 
     def _open_draft(self, pool: str, request_id: str, prompt_ids: list[int],

@@ -113,6 +113,13 @@ def test_serve_refuses_a_max_model_len_the_model_cannot_take(tiny_models, tmp_pa
     one_line_error(run_cli("serve", path), "target.engine.max_model_len 4096", "1024 tokens")
 
 
+def test_serve_refuses_a_tool_call_parser_vllm_does_not_have(tiny_models, tmp_path):
+    t = str(tiny_models["target"])
+    path = write_config(tmp_path, {"target": {"model": t, "tool_call_parser": "hermez"},
+                                   "drafts": [], "ray": {"num_cpus": 2}})
+    one_line_error(run_cli("serve", path), "target.tool_call_parser 'hermez'", "hermes")
+
+
 def test_serve_refuses_pools_a_local_cluster_cannot_hold(tiny_models, tmp_path):
     t = str(tiny_models["target"])
     path = write_config(tmp_path, {

@@ -1,7 +1,7 @@
 """`specserve serve`: the Ray Serve app on a config, until Ctrl-C.
 
 Owns what is checked before Ray starts (the config and its overrides, model
-folders, tokenizers, each engine's max_model_len against its model, and on a
+folders, tokenizers, the tool-call parser, each engine's max_model_len against its model, and on a
 local cluster whether the deployments fit its CPUs) and waiting for the app to
 run, saying which deployment waits for which resources and what each node has
 free. The app itself is `deployments.app.build_app`; the checks are
@@ -69,6 +69,20 @@ def serve_config(args):
             raise UsageError(problem)
     if cfg.target.model is not None:
         model_dir(cfg.target.model, "target")
+    if cfg.target.tool_call_parser is not None:  # (imports vLLM: only when set)
+        import logging
+
+        from specserve.target.openai_app import check_tool_call_parser
+
+        vllm_log = logging.getLogger("vllm")
+        level = vllm_log.level
+        vllm_log.setLevel(logging.ERROR)  # not its import-time notes: one line on error
+        try:
+            check_tool_call_parser(cfg.target.tool_call_parser)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            vllm_log.setLevel(level)
     for d in cfg.drafts:
         draft_dir(d.model)
     return cfg, tokenizers_compatible

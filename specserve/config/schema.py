@@ -176,6 +176,12 @@ class TargetConfig(_Strict):
                     "to it). 0: any free port.")
     max_ongoing_requests: int = Field(
         64, ge=1, description="Most requests Ray Serve sends to one target replica at a time.")
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's parser of the model's tool calls (e.g. 'hermes', 'llama3_json', "
+                    "'pythonic'; as `vllm serve --enable-auto-tool-choice --tool-call-parser "
+                    "NAME`), for chat requests with `tools`. Null: a request whose "
+                    "tool_choice is not 'none' gets a 400 naming this field.")
 
     @field_validator("model")
     @classmethod
@@ -186,6 +192,11 @@ class TargetConfig(_Strict):
     @classmethod
     def _name_not_empty(cls, v):
         return _require_non_empty(v, "name")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _parser_not_empty(cls, v):
+        return _require_non_empty(v, "tool_call_parser")
 
     @model_validator(mode="after")
     def _check(self):

@@ -2,7 +2,9 @@
 
 Owns: building vLLM's FastAPI app (`vllm.entrypoints.launchers.app.build_app`
 and `init_app_state`, as `vllm serve` and Ray Serve LLM's VLLMEngine do) on a
-given engine client, with the engine's own arguments; and `call`, which runs
+given engine client, with the engine's own arguments and the tool-call
+parser of specserve's config; `config_hint`, which names specserve's config
+where vLLM's error messages name `vllm serve` flags; and `call`, which runs
 one HTTP request through an ASGI app without a socket and yields the response
 as it is produced (start, then body chunks).
 
@@ -15,14 +17,19 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import re
 from collections.abc import AsyncIterator
 
 
-async def build(engine_client, model: str, served_name: str):
+async def build(engine_client, model: str, served_name: str,
+                tool_call_parser: str | None = None):
     """vLLM's OpenAI app (completions, chat, responses, tokenize, models, ...)
     for the model folder `model`, served as `served_name`, on `engine_client`
     (whose own config is what the serving classes read: context, tokenizer,
-    generation defaults)."""
+    generation defaults). tool_call_parser: vLLM's parser of the model's tool
+    calls (`vllm serve --enable-auto-tool-choice --tool-call-parser NAME`);
+    None: a chat request with tools and a tool_choice other than "none" gets
+    vLLM's 400 (see `config_hint`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -33,6 +40,8 @@ async def build(engine_client, model: str, served_name: str):
     args = argparse.Namespace(**(vars(FrontendArgs())
                                  | vars(AsyncEngineArgs(model=model, disable_log_stats=False))))
     args.served_model_name = [served_name]
+    args.enable_auto_tool_choice = tool_call_parser is not None
+    args.tool_call_parser = tool_call_parser
     tasks = await engine_client.get_supported_tasks()
     app = build_app(args, supported_tasks=tasks, model_config=engine_client.model_config)
     await init_app_state(engine_client, app.state, args, supported_tasks=tasks)
@@ -42,6 +51,37 @@ async def build(engine_client, model: str, served_name: str):
 
     app.state.server = types.SimpleNamespace()
     return app
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """ValueError unless `name` is None or one of vLLM's registered tool-call parsers."""
+    if name is None:
+        return
+    from vllm.tool_parsers import ToolParserManager
+
+    known = sorted(ToolParserManager.list_registered())
+    if name not in known:
+        raise ValueError(f"target.tool_call_parser {name!r} is not one of vLLM's tool-call "
+                         f"parsers: {', '.join(known)}")
+
+
+# vLLM's messages that name its own command-line flags, and what sets the same
+# thing in specserve's config.
+_FLAG_HINTS = [
+    (re.compile(r"--enable-auto-tool-choice and --tool-call-parser to be set"
+                r"|--tool-call-parser to be set"),
+     "target.tool_call_parser to be set in specserve's config (vLLM's "
+     "--enable-auto-tool-choice --tool-call-parser)"),
+]
+
+
+def config_hint(body: bytes) -> bytes:
+    """An error body of vLLM's with its `vllm serve` flags named as specserve's
+    config fields (the body is otherwise unchanged)."""
+    text = body.decode("utf-8", "replace")
+    for pattern, hint in _FLAG_HINTS:
+        text = pattern.sub(hint, text)
+    return text.encode()
 
 
 def _scope(method: str, path: str, query: str, headers: list[tuple[str, str]]) -> dict:
@@ -58,7 +98,8 @@ def _scope(method: str, path: str, query: str, headers: list[tuple[str, str]]) -
 async def call(app, method: str, path: str, query: str, headers: list[tuple[str, str]],
                body: bytes, context: contextvars.Context | None = None
                ) -> AsyncIterator[dict | bytes]:
-    """Yield {"status", "headers"} and then the body's chunks (bytes).
+    """Yield {"status", "headers"} and then the body's chunks (bytes; chunks
+    that queued up while the caller was busy are joined into one).
 
     The app runs in its own task, in `context` (default: a copy of this
     one). When the caller
@@ -84,16 +125,27 @@ async def call(app, method: str, path: str, query: str, headers: list[tuple[str,
         app(_scope(method, path, query, headers), receive, send), context=context)
     task.add_done_callback(lambda _: out.put_nowait(None))
     try:
+        held: list = []  # a message taken from the queue but not yet handled
         while True:
-            message = await out.get()
+            message = held.pop() if held else await out.get()
             if message is None:
                 break
             if message["type"] == "http.response.start":
                 yield {"status": message["status"],
                        "headers": [(k.decode("latin-1"), v.decode("latin-1"))
                                    for k, v in message.get("headers", [])]}
-            elif message["type"] == "http.response.body" and message.get("body"):
-                yield bytes(message["body"])
+            elif message["type"] == "http.response.body":
+                # Body chunks the app produced while the last one was on its
+                # way go on as one (fewer items through Serve's hops under load).
+                chunk = bytearray(message.get("body") or b"")
+                while not out.empty():
+                    more = out.get_nowait()
+                    if more is None or more["type"] != "http.response.body":
+                        held.append(more)
+                        break
+                    chunk += more.get("body") or b""
+                if chunk:
+                    yield bytes(chunk)
         task.result()  # an error the app did not turn into a response
     finally:
         gone.set()

@@ -117,6 +117,10 @@ def test_models_and_health(app):
     ("chat/completions", {"model": "tiny", "messages": []}, "empty conversation"),
     ("completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     ("completions", {"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 3}, "seed"),
+    # no target.tool_call_parser in this config: tools with tool_choice auto (the default)
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "target.tool_call_parser"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(app, path, body, needle):
     status, err = post(f"{app.url}/v1/{path}", body)

@@ -3,7 +3,9 @@
 One module-scoped pair of servers on the same tiny float32 target: vLLM's
 `python -m vllm.entrypoints.openai.api_server` (target only) and `specserve
 serve` (the target with a draft pool, draft = target, so drafts are accepted
-and every answer goes through speculative decoding). Both get the same
+and every answer goes through speculative decoding), both with the hermes
+tool-call parser (`--enable-auto-tool-choice --tool-call-parser hermes`;
+specserve: target.tool_call_parser). Both get the same
 requests over a matrix of fields, completions and chat, streaming and not,
 errors included; status, choices, texts, finish reasons, usage and logprobs
 (within 1e-3) must agree. Greedy everywhere: the outputs are deterministic.
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny"
 MAX_LEN = 512
 LOGPROB_TOL = 1e-3
+TOOL_PARSER = "hermes"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,8 @@ def vllm_server(tiny_models, tmp_path_factory):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
          "--model", str(tiny_models["target"]), "--served-model-name", MODEL,
          "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--enforce-eager",
-         "--seed", "0", "--max-num-seqs", "64", "--host", "127.0.0.1", "--port", str(port)],
+         "--seed", "0", "--max-num-seqs", "64", "--host", "127.0.0.1", "--port", str(port),
+         "--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -70,7 +74,8 @@ def specserve_server(tiny_models, tmp_path_factory):
     engine = {"dtype": "float32", "kv_cache_gib": 1, "max_model_len": MAX_LEN}
     config = {
         "target": {"model": str(tiny_models["target"]), "name": MODEL,
-                   "resources": {"cpus_per_worker": 1}, "engine": engine},
+                   "resources": {"cpus_per_worker": 1}, "engine": engine,
+                   "tool_call_parser": TOOL_PARSER},
         "drafts": [{"name": "same", "model": str(tiny_models["target"]),
                     "resources": {"cpus_per_worker": 0.25}, "engine": engine}],
         "speculation": {"num_speculative_tokens": 4},
@@ -102,9 +107,9 @@ def call(url: str, path: str, body) -> tuple[int, object]:
 
 
 def merged_stream(events: list[str]) -> dict:
-    """A stream as one answer: per choice the joined text / content, finish reason
-    and logprobs; the usage. (Chunking differs: a speculative step emits several
-    tokens at once.)"""
+    """A stream as one answer: per choice the joined text / content, finish reason,
+    logprobs and tool calls (each call's arguments joined); the usage. (Chunking
+    differs: a speculative step emits several tokens at once.)"""
     assert events and events[-1] == "[DONE]", events[-3:]
     choices: dict[int, dict] = {}
     usage = None
@@ -117,6 +122,12 @@ def merged_stream(events: list[str]) -> dict:
                                                 "logprobs": {}})
             m["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
             m["finish_reason"] = c.get("finish_reason") or m["finish_reason"]
+            for call in (c.get("delta") or {}).get("tool_calls") or []:
+                tc = m.setdefault("tool_calls", {}).setdefault(
+                    call["index"], {"type": None, "name": "", "arguments": ""})
+                tc["type"] = call.get("type") or tc["type"]
+                tc["name"] += (call.get("function") or {}).get("name") or ""
+                tc["arguments"] += (call.get("function") or {}).get("arguments") or ""
             lp = c.get("logprobs")
             if lp:  # one token's or several tokens' worth: lists to concatenate
                 for key, values in lp.items():
@@ -158,6 +169,12 @@ def assert_alike(a, b, where="body"):
 G = {"model": MODEL, "temperature": 0.0}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Hello world"}]
+# A tool whose arguments are bounded (an enum), so a call fits in max_tokens.
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "The weather now",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                   "required": ["unit"]}}}]
+NAMED = {"type": "function", "function": {"name": "weather"}}
 
 CASES = {
     "plain": (CMPL, {**G, "prompt": "Hello world", "max_tokens": 16}),
@@ -203,6 +220,19 @@ CASES = {
             {"id": "call_1", "type": "function",
              "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}),
+    # tools, through vLLM's hermes parser (auto) or structured outputs (required, named)
+    "chat tools auto": (CHAT, {**G, "max_tokens": 16, "messages": HELLO, "tools": TOOLS}),
+    "chat tools none": (CHAT, {**G, "max_tokens": 8, "messages": HELLO, "tools": TOOLS,
+                               "tool_choice": "none"}),
+    "chat tools required": (CHAT, {**G, "max_tokens": 48, "messages": HELLO, "tools": TOOLS,
+                                   "tool_choice": "required"}),
+    "chat tools named": (CHAT, {**G, "max_tokens": 48, "messages": HELLO, "tools": TOOLS,
+                                "tool_choice": NAMED}),
+    "chat tools named stream": (CHAT, {**G, "max_tokens": 48, "messages": HELLO,
+                                       "tools": TOOLS, "tool_choice": NAMED, "stream": True}),
+    "chat tools unknown name": (CHAT, {**G, "max_tokens": 8, "messages": HELLO, "tools": TOOLS,
+                                       "tool_choice": {"type": "function",
+                                                       "function": {"name": "nope"}}}),
     # errors: the same status and the same error body
     "unknown model": (CMPL, {**G, "model": "nope", "prompt": "x"}),
     "max_tokens too large": (CMPL, {**G, "prompt": "x", "max_tokens": 5000}),
@@ -273,3 +303,16 @@ def test_drafts_were_used(specserve_server):
     status, stats = get(f"{specserve_server}/v1/spec/stats")
     [same] = [d for d in stats["draft_models"] if d["model"] == "same"]
     assert same["draft_tokens"] > 0 and same["accepted_tokens"] > 0, same
+
+
+@pytest.mark.parametrize("name", ["chat tools required", "chat tools named"])
+def test_tool_calls_come_back_as_tool_calls(specserve_server, name):
+    """The tool cases above compare real tool calls, not two equal errors.
+    (vLLM's default tool_strict_level constrains the call's envelope, the
+    function's name; the tiny model's arguments are JSON, not always the schema's.)"""
+    status, reply = call(specserve_server, *CASES[name])
+    assert status == 200, reply
+    [choice] = reply["choices"]
+    [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["type"] == "function" and tool_call["function"]["name"] == "weather"
+    json.loads(tool_call["function"]["arguments"])

@@ -1,8 +1,9 @@
 """DraftingEngine (specserve/target/drafting.py) with a stand-in engine: drafts
 per engine request and per sequence (n > 1) with the router's K, records
 from vLLM's per-request figures, draft streams closed however the request
-ends, the CPU seed refusal as a 400 before anything starts; and the
-in-process ASGI call (specserve/target/openai_app.py)."""
+ends, the CPU seed refusal as a 400 before anything starts; and of
+specserve/target/openai_app.py the in-process ASGI call, the tool-call parser
+check and the config hints in vLLM's error messages."""
 
 import asyncio
 import contextvars
@@ -193,3 +194,41 @@ def test_call_runs_an_asgi_app_in_process_and_stops_it_when_closed():
         assert stopped == [True]
 
     asyncio.run(go())
+
+
+def test_error_bodies_name_specserves_config_where_vllm_names_its_flags():
+    import json
+
+    body = json.dumps({"error": {"message": '"auto" tool choice requires '
+                                 "--enable-auto-tool-choice and --tool-call-parser to be set",
+                                 "type": "BadRequestError", "param": None, "code": 400}})
+    hinted = json.loads(openai_app.config_hint(body.encode()))
+    assert hinted["error"]["message"].startswith(
+        '"auto" tool choice requires target.tool_call_parser to be set in specserve\'s config')
+    assert hinted["error"]["type"] == "BadRequestError"
+    named = b'{"error": {"message": "tool_choice=\\"required\\" requires --tool-call-parser to be set"}}'
+    assert b"target.tool_call_parser" in openai_app.config_hint(named)
+    other = b'{"error": {"message": "max_tokens must be at least 1"}}'
+    assert openai_app.config_hint(other) == other
+
+
+def test_an_unknown_tool_call_parser_is_refused_with_the_known_ones():
+    openai_app.check_tool_call_parser(None)
+    openai_app.check_tool_call_parser("hermes")
+    with pytest.raises(ValueError, match="'hermez' is not one of vLLM's tool-call parsers: .*hermes"):
+        openai_app.check_tool_call_parser("hermez")
+
+
+def test_body_chunks_queued_while_the_caller_was_busy_go_on_as_one():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (b"data: a\n\n", b"data: b\n\n", b""):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: c\n\n", "more_body": False})
+
+    async def go():
+        return [item async for item in openai_app.call(app, "POST", "/x", "", [], b"")]
+
+    assert asyncio.run(go()) == [{"status": 200, "headers": []},
+                                 b"data: a\n\ndata: b\n\ndata: c\n\n"]
