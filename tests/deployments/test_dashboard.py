@@ -289,11 +289,21 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
                 (tmp_path / "prometheus.log").read_text()[-3000:]
             time.sleep(1)
         time.sleep(3)  # scrapes before the traffic below: rates have a start
-        for i in range(4):
+
+        def drafted() -> int:
+            return sum(m["draft_tokens"] for m in stats(app)["draft_models"])
+
+        # Traffic with drafts in it (the rate panel below divides by them): at
+        # least 4 requests, more while the CPU draft has not got ahead once.
+        drafted_before = drafted()
+        for i in range(20):
             status, body = post(f"{app.url}/v1/completions",
                                 {"model": "tiny", "prompt": f"Prometheus {i}", "max_tokens": 24,
                                  "temperature": 0, "ignore_eos": True}, AUTH)
             assert status == 200, body
+            if i >= 3 and drafted() > drafted_before:
+                break
+        assert drafted() > drafted_before, "the draft pool drafted nothing in 20 requests"
         time.sleep(4)  # scrapes after it
         s = stats(app)
         (up,) = _query(url, 'up{job="specserve"}')
