@@ -47,6 +47,7 @@ EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
 # are in, so a deadline at the mean would give up on half of them.
 ROUND_TRIP_PERCENTILE = 90
 ROUND_TRIP_SAMPLES = 64
+COST_REFIT = 16  # steady steps between two fits of the verify step's cost
 
 
 @dataclasses.dataclass
@@ -118,6 +119,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # The verify step's cost a + b · tokens, fitted over steady decode steps
         # (same rows, every row sampling): what one more verified token costs.
         self._cost_fit = StepCostFit()
+        self._cost: policy.StepCost | None = None  # the fit, redone every COST_REFIT steps
+        self._cost_steps = 0
         self._last_step: tuple[int, int] | None = None  # (rows, tokens) of the step started last
         # key -> [when its miss's update went out, when the first fresh drafts came]
         self._miss_sent: dict = {}
@@ -146,6 +149,9 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 if self._last_step is not None and self._last_step[0] == len(histories) \
                         and all(active):
                     self._cost_fit.add(self._last_step[1], start - self._last_propose)
+                    self._cost_steps += 1
+                    if self._cost is None or self._cost_steps % COST_REFIT == 0:
+                        self._cost = self._cost_fit.cost()  # (not every step: the engine waits)
             proposals, updates = self._book.propose(histories, k, max_advance=k + 1, active=active)
             misses = list(self._book.misses)
             streams = dict(self._streams)
@@ -197,7 +203,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # Unknown draft speed: probe with a share of the cap, then measure.
         d = self._draft_token_s if self._draft_token_s is not None else self.max_wait_s / max(k, 1)
         return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
-                                 self._step_s, d, cost=self._cost_fit.cost(), coverage=coverage,
+                                 self._step_s, d, cost=self._cost, coverage=coverage,
                                  max_wait_s=self.max_wait_s,
                                  first_token_s=percentile(self._round_trips,
                                                           ROUND_TRIP_PERCENTILE))

@@ -372,6 +372,8 @@ def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
     fit = sink._cost_fit.fit()
     assert fit is not None and len(sink._cost_fit) == 22
     assert abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
+    # What the wait prices with: the fit, redone every 16 steady steps.
+    assert abs(sink._cost.fixed - a) < 1e-9 and abs(sink._cost.per_token - b) < 1e-9
 
 
 def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
