@@ -288,7 +288,12 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
             assert prom.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "prometheus.log").read_text()[-3000:]
             time.sleep(1)
-        time.sleep(3)  # scrapes before the traffic below: rates have a start
+        # A first sample of the counters before the traffic below (rates need a
+        # start; a scrape of a busy router can take longer than a fixed sleep).
+        series = 'sum(specserve_draft_tokens_total{draft_model="same"})'
+        while not _query(url, series):
+            assert time.monotonic() < deadline + 60, "Prometheus never scraped the router"
+            time.sleep(1)
 
         def drafted() -> int:
             return sum(m["draft_tokens"] for m in stats(app)["draft_models"])
@@ -304,8 +309,13 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
             if i >= 3 and drafted() > drafted_before:
                 break
         assert drafted() > drafted_before, "the draft pool drafted nothing in 20 requests"
-        time.sleep(4)  # scrapes after it
+        # ... and a sample after it: Prometheus holds what /v1/spec/stats says.
         s = stats(app)
+        want_drafted = sum(m["draft_tokens"] for m in s["draft_models"])
+        while float(_query(url, series)[0]["value"][1]) != want_drafted:
+            assert time.monotonic() < deadline + 120, "Prometheus lags /v1/spec/stats"
+            time.sleep(1)
+        time.sleep(2)
         (up,) = _query(url, 'up{job="specserve"}')
         assert up["value"][1] == "1"
 
