@@ -69,9 +69,9 @@ class SinkLink:
 
     # ---- sending (never blocks) ---------------------------------------------------
 
-    def open(self, rid: str, prompt: list[int], k: int = 0) -> None:
+    def open(self, rid: str, prompt: list[int], k: int = 0, end: int = 0) -> None:
         self._put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
-            request_id=rid, prompt_token_ids=prompt, max_draft_tokens=k)))
+            request_id=rid, prompt_token_ids=prompt, max_draft_tokens=k, end_position=end)))
 
     def send_draft(self, rid: str, position: int, tokens: list[int],
                    branches: list[tuple[int, list[int]]] = ()) -> None:
@@ -100,9 +100,10 @@ class SinkLink:
             channel = self._channel_factory(self.address)
             queue: asyncio.Queue = asyncio.Queue(maxsize=self._max_queued)
             try:
-                for rid, verified, drafts, k in self._snapshot(self):
+                for rid, verified, drafts, k, end in self._snapshot(self):
                     queue.put_nowait(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
-                        request_id=rid, prompt_token_ids=verified, max_draft_tokens=k)))
+                        request_id=rid, prompt_token_ids=verified, max_draft_tokens=k,
+                        end_position=end)))
                     if drafts:
                         queue.put_nowait(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
                             request_id=rid, position=len(verified), token_ids=drafts)))

@@ -270,7 +270,7 @@ class DraftRunner:
         req = _Request(rid, prompt, link, lookahead, limit, k)
         self._requests[rid] = req
         self.stats.requests += 1
-        link.open(rid, prompt, k)
+        link.open(rid, prompt, k, end=limit)
         req.task = asyncio.get_running_loop().create_task(self._run(req), name=f"draft-{rid}")
 
     def cancel(self, rid: str) -> bool:
@@ -346,10 +346,10 @@ class DraftRunner:
                 req.link.send_draft(req.id, end, req.tokens[end:], self._branches(req, end))
         req.changed.set()
 
-    def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int], int]]:
-        """(request, verified history, drafts, k) of a link's requests, to re-open them."""
+    def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int], int, int]]:
+        """(request, verified history, drafts, k, end) of a link's requests, to re-open them."""
         return [
-            (r.id, list(r.verified), r.tokens[len(r.verified):], r.k)
+            (r.id, list(r.verified), r.tokens[len(r.verified):], r.k, r.limit)
             for r in self._requests.values()
             if r.link is link
         ]

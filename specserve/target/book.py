@@ -123,7 +123,9 @@ class DraftBook:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
-    def open(self, key: Hashable, prompt: Sequence[int], k: int = 0) -> None:
+    def open(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
+        """A request's prompt; k: its own K (0: the caller's); end: where its
+        output ends (prompt + max_tokens, absolute; 0: unknown)."""
         if key in self._entries:
             raise BookError(ALREADY_EXISTS, f"request {key[-1]!r} is already open on this stream")
         if len(self._entries) >= self.max_requests:
@@ -138,6 +140,7 @@ class DraftBook:
             )
         arr = self._checked_tokens(prompt)
         entry = _Entry(arr, k)
+        entry.end = end if end > len(prompt) else None
         entry.stream = key[0] if isinstance(key, tuple) and key else None
         self.stream_stats.setdefault(entry.stream, BookStats())
         self._entries[key] = entry
@@ -327,12 +330,18 @@ class DraftBook:
             self.stats.rows_matched += 1
             entry = self._entries[key]
             proposals[i] = self._advance(key, entry, histories[i], k)
-            self._note_proposal(entry, len(histories[i]), proposals[i])
-            if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
-                # The draft is drafting for this row but nothing is here (it has
-                # not heard of the rejection yet, or fell behind): the bounded
-                # wait may hold the step for it.
-                self.misses.append((i, key))
+            if entry.end is not None and len(histories[i]) >= entry.end:
+                # The request's output is complete: the row is finishing (vLLM
+                # proposes for it in the step that ends it), not a step that
+                # drafts could help or that is worth waiting for.
+                proposals[i] = []
+            else:
+                self._note_proposal(entry, len(histories[i]), proposals[i])
+                if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
+                    # The draft is drafting for this row but nothing is here (it
+                    # has not heard of the rejection yet, or fell behind): the
+                    # bounded wait may hold the step for it.
+                    self.misses.append((i, key))
             if entry.verified > entry.reported:
                 start = entry.reported
                 updates.append(

@@ -15,7 +15,7 @@ class _Entry:
     """One request's speculative sequence; tokens[:verified] are confirmed."""
 
     __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k", "branches",
-                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream")
+                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream", "end")
 
     def __init__(self, prompt: Sequence[int], k: int = 0):
         n = len(prompt)
@@ -33,6 +33,7 @@ class _Entry:
         self.last_proposal: list[int] = []
         self.last_outcome = FIRST  # how this request's last verify step ended
         self.stream: Hashable = None
+        self.end: int | None = None  # where the output ends (history length); None: unknown
 
     def seq(self) -> np.ndarray:
         return self.tokens[: self.length]

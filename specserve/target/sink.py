@@ -327,7 +327,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 if kind == "open":
                     rid = msg.open.request_id
                     self._book.open((stream.id, rid), msg.open.prompt_token_ids,
-                                    k=msg.open.max_draft_tokens)
+                                    k=msg.open.max_draft_tokens, end=msg.open.end_position)
                 elif kind == "draft":
                     rid = msg.draft.request_id
                     key = (stream.id, rid)

@@ -17,14 +17,16 @@ class DraftMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftTokens, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "max_draft_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "max_draft_tokens", "end_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    end_position: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
 
 class DraftTokens(_message.Message):
     __slots__ = ("request_id", "position", "token_ids", "branches")

@@ -253,6 +253,28 @@ def test_a_miss_is_listed_for_the_wait_and_refilled_when_drafts_arrive():
     assert b2.stats.accepted_tokens == 1 + 3
 
 
+def test_a_finished_row_is_not_a_step_nor_a_miss():
+    """vLLM proposes for a row in the step that ends its request; with the
+    request's end known, that row gets nothing, counts as no step and is not
+    waited for (without it, every request would end in a miss)."""
+    b = book()
+    b.open(("s", "r"), [1, 2], end=7)  # 5 output tokens
+    b.extend(("s", "r"), 2, [5, 6, 7, 8])
+    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
+    props, updates = b.propose([h(1, 2, 5, 6, 7, 8, 9)], K, K + 1)  # all accepted: done
+    assert props == [[]] and b.misses == []
+    assert updates[0].token_ids == [6, 7, 8, 9]  # still reported
+    s = b.stats
+    assert (s.steps_after_accepted, s.wait_rows, s.accepted_tokens) == (0, 0, 3)
+    # Without the end, the same row is a step after an accepted one, and a miss.
+    b2 = book()
+    b2.open(("s", "r"), [1, 2])
+    b2.extend(("s", "r"), 2, [5, 6, 7, 8])
+    b2.propose([h(1, 2, 5)], K, K + 1)
+    assert b2.propose([h(1, 2, 5, 6, 7, 8, 9)], K, K + 1)[0] == [[]]
+    assert b2.misses == [(0, ("s", "r"))] and b2.stats.steps_after_accepted == 1
+
+
 def test_branches_at_unknown_positions_or_without_an_alternative_are_dropped():
     b = book()
     b.open(("s", "r"), [1, 2])
