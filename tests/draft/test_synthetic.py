@@ -140,7 +140,7 @@ def test_runner_waits_when_the_model_has_nothing():
             yield
 
     class Link:
-        def open(self, *a): pass
+        def open(self, *a, **kw): pass
         def send_draft(self, *a): pass
         def close_request(self, *a): pass
         async def close(self): pass
