@@ -41,7 +41,7 @@ class DraftServer:
         spec = SpeculationConfig.model_validate(speculation or {})
         # Pre-drafted outcomes: top-F alternatives from the engine's logprobs,
         # continued as batched engine requests (cheap on an accelerator).
-        plan = BranchPlan(spec.branch_fan_out, spec.branch_budget, spec.branch_tokens(),
+        plan = BranchPlan(spec.branch_fan_out, spec.branch_alternatives(), spec.branch_tokens(),
                           positions=spec.num_speculative_tokens + 1)
         self.worker = DraftWorker.start(self.config.model, settings_from(self.config.engine),
                                         tls=TlsFiles.from_config(grpc_tls), cpus=draft_cpus,

@@ -154,7 +154,7 @@ class LocalSpec:
                   if self.draft_tls.server_name else [])
                if self.draft_tls is not None else [])
             + ["--branch-fan-out", str(self.speculation.branch_fan_out),
-               "--branch-budget", str(self.speculation.branch_budget),
+               "--branch-budget", str(self.speculation.branch_alternatives()),
                "--branch-len", str(self.speculation.branch_tokens()),
                "--branch-positions", str(self.k + 1),
                "--name", f"{self.draft}/local-0"]

@@ -52,11 +52,12 @@ class SpeculationConfig(_Strict):
         description="F: at most this many alternatives a draft pre-drafts at one position "
                     "of its window (its next-best tokens there, each continued a few tokens), "
                     "so that the step after a rejection finds drafts waiting. 0: no branches.")
-    branch_budget: int = Field(
-        12, ge=0, le=256,
+    branch_budget: int | None = Field(
+        None, ge=0, le=256,
         description="Alternatives per request in all, split over the window's positions "
                     "geometrically by the draft's acceptance (specserve.control.policy.fan_out: "
-                    "more near the verified position, where rejections are likelier).")
+                    "more near the verified position, where rejections are likelier). "
+                    "Null: F × (K + 1), F at every position the next verify step can reject.")
     branch_len: int | None = Field(
         None, ge=1, le=64,
         description="Tokens a branch continues past its alternative token. Null: K.")
@@ -80,6 +81,12 @@ class SpeculationConfig(_Strict):
     def lookahead_tokens(self) -> int:
         """The effective W."""
         return lookahead_tokens(self.num_speculative_tokens, self.lookahead)
+
+    def branch_alternatives(self) -> int:
+        """The effective branch budget (alternatives per request)."""
+        if self.branch_budget is not None:
+            return self.branch_budget
+        return self.branch_fan_out * (self.num_speculative_tokens + 1)
 
     def branch_tokens(self) -> int:
         """The effective branch length."""

@@ -150,7 +150,7 @@ class BranchPlan:
     """How much to pre-draft (SpeculationConfig.branch_fan_out / branch_budget / branch_len)."""
 
     fan_out: int = 3  # F: alternatives at one position at most
-    budget: int = 12  # per request, over the window
+    budget: int = 15  # per request, over the window (F × (K + 1) at the defaults)
     length: int = 4  # continuation tokens per branch
     # Window positions the budget covers: those the next verify step can
     # reject (K + 1: K drafts and the bonus position); the request's own K + 1

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=None)
     # Pre-drafted outcomes (SpeculationConfig.branch_*): F, the budget, the length.
     p.add_argument("--branch-fan-out", type=int, default=3)
-    p.add_argument("--branch-budget", type=int, default=12)
+    p.add_argument("--branch-budget", type=int, default=15)  # F × (K + 1) at the defaults
     p.add_argument("--branch-len", type=int, default=4)
     p.add_argument("--branch-positions", type=int, default=0,
                    help="window positions the budget covers (K + 1; 0: the whole window)")

@@ -90,6 +90,12 @@ def test_lookahead_defaults_to_a_whole_window_after_a_full_accept():
     assert SpeculationConfig(num_speculative_tokens=0).lookahead_tokens() == 0
 
 
+def test_branch_budget_defaults_to_f_alternatives_at_every_rejectable_position():
+    assert SpeculationConfig().branch_alternatives() == 3 * (4 + 1)
+    assert SpeculationConfig(num_speculative_tokens=2, branch_fan_out=2).branch_alternatives() == 6
+    assert SpeculationConfig(branch_budget=7).branch_alternatives() == 7
+
+
 def test_served_name_follows_the_folder():
     cfg = AppConfig.from_dict({"target": {"model": "/models/Foo-7B/"}})
     assert cfg.target.served_name() == "Foo-7B"
