@@ -124,8 +124,7 @@ class DraftBook:
         return key in self._entries
 
     def open(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
-        """A request's prompt; k: its own K (0: the caller's); end: where its
-        output ends (prompt + max_tokens, absolute; 0: unknown)."""
+        """k: the request's own K (0: the caller's); end: prompt + max_tokens (0: unknown)."""
         if key in self._entries:
             raise BookError(ALREADY_EXISTS, f"request {key[-1]!r} is already open on this stream")
         if len(self._entries) >= self.max_requests:
