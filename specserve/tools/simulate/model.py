@@ -272,8 +272,9 @@ class _Sim:
     def proposals(self, r: _Request) -> list[bool]:
         """Drafted tokens waiting at the target for r's next step (their flags)."""
         sc = self.sc
-        # Never more drafts than the request has tokens left after this step's own.
-        room = min(sc.k, sc.output_len - r.emitted - 1)
+        # Never more drafts than the request has tokens left: the draft drafts up
+        # to the output's end (prompt + max_tokens), its last token included.
+        room = min(sc.k, sc.output_len - r.emitted)
         if sc.colocated:
             return [self.rng.random() < sc.alpha for _ in range(room)]
         while r.inbox and r.inbox[0][0] <= self.now:
