@@ -20,6 +20,7 @@ import sys
 
 import grpc
 
+from specserve.config import SpeculationConfig
 from specserve.draft.runner import DraftRunner
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
@@ -104,10 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-gib", type=int, default=None)
-    # Pre-drafted outcomes (SpeculationConfig.branch_*): F, the budget, the length.
-    p.add_argument("--branch-fan-out", type=int, default=3)
-    p.add_argument("--branch-budget", type=int, default=15)  # F × (K + 1) at the defaults
-    p.add_argument("--branch-len", type=int, default=4)
+    # Pre-drafted outcomes: F, the budget, the length (SpeculationConfig's defaults).
+    spec = SpeculationConfig()
+    p.add_argument("--branch-fan-out", type=int, default=spec.branch_fan_out)
+    p.add_argument("--branch-budget", type=int, default=spec.branch_alternatives())
+    p.add_argument("--branch-len", type=int, default=spec.branch_tokens())
     p.add_argument("--branch-positions", type=int, default=0,
                    help="window positions the budget covers (K + 1; 0: the whole window)")
     p.add_argument("--name", default=None,
