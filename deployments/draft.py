@@ -72,9 +72,11 @@ class DraftServer:
         return self.runner.active()
 
     def record_autoscaling_stats(self) -> dict:
-        """Figures for specserve.control.autoscale.draft_policy (Serve calls this)."""
+        """Figures for specserve.control.autoscale.draft_policy (Serve calls this).
+        active counts the requests the target gave up on this replica's drafts
+        (they came too late) as well: demand it could not serve, not idleness."""
         coverage, lag = self.runner.timeliness()
-        return {"coverage": coverage, "lag": lag, "active": float(self.runner.active())}
+        return {"coverage": coverage, "lag": lag, "active": float(self.runner.assigned())}
 
     async def check_health(self) -> None:
         await self.worker.check_health()

@@ -193,7 +193,8 @@ class LocalSpec:
         # Building the engine blocks for a while; the draft process loads meanwhile.
         self.target_engine = TargetEngine.start(
             self.target, self.settings, tp=self.tp, k=self.k, tls=self.tls, cpus=target_cpus,
-            max_wait_ms=self.speculation.max_wait_ms)
+            max_wait_ms=self.speculation.max_wait_ms,
+            release_after_steps=self.speculation.release_after_steps)
         self.engine, self.totals = self.target_engine.engine, self.target_engine.totals
         self.sink_address = self.target_engine.sink_address
         if self.synthetic is not None:

@@ -33,7 +33,7 @@ COUNTERS = (
     "steps_after_accepted", "covered_after_accepted", "steps_after_rejected",
     "covered_after_rejected", "steps_after_draftless", "covered_after_draftless",
     "branch_hits", "branches_buffered", "branches_dropped", "wait_rows", "wait_hits",
-    "accepted_tokens", "alpha_trials", "verified_steps",
+    "accepted_tokens", "alpha_trials", "verified_steps", "released",
 )
 WAIT = ("waits", "wait_seconds", "steps")
 
@@ -68,6 +68,7 @@ def figures(c: dict) -> dict:
         if g("steps") else None,
         "book_alpha": _ratio(g("accepted_tokens"), g("alpha_trials")),
         "steps_after_rejected": g("steps_after_rejected"),
+        "released": g("released"),
     }
 
 
@@ -81,6 +82,8 @@ _PROM = [
      "Steps after a fully accepted window that found drafts."),
     ("wait_seconds", "wait_seconds_total", "Seconds the proposer held steps for fresh drafts."),
     ("steps", "proposer_steps_total", "Proposer steps with rows of this draft."),
+    ("released", "released_requests_total",
+     "Requests given up: speculation.release_after_steps steps in a row without drafts."),
 ]
 
 

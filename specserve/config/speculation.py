@@ -61,6 +61,13 @@ class SpeculationConfig(_Strict):
     branch_len: int | None = Field(
         None, ge=1, le=64,
         description="Tokens a branch continues past its alternative token. Null: K.")
+    release_after_steps: int = Field(
+        8, ge=0, le=1024,
+        description="The target gives a request's drafts up once this many of its steps in a "
+                    "row found none (after the bounded wait): the draft stops drafting it and "
+                    "the target decodes it on alone. Drafts that late cannot be verified, and "
+                    "drafting them takes the draft's time from requests it keeps up with. "
+                    "0: never.")
     max_wait_ms: float = Field(
         50.0, ge=0.0, le=250.0,
         description="Upper bound on the bounded wait: after a rejection with no matching "

@@ -47,11 +47,14 @@ class SinkLink:
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         tls=None,
         name: str = "",
+        on_release: Callable[[str], None] | None = None,
     ):
         """tls: a specserve.tls.TlsFiles: connect with mutual TLS (None: plaintext).
         name: this draft's "model/replica", sent as call metadata (the sink's
-        figures are kept per name)."""
+        figures are kept per name). on_release: called with a request id the
+        sink gave up (its drafts came too late, spec.proto Release)."""
         self.name = name
+        self._on_release = on_release
         self.address = address
         self._on_verified = on_verified
         self._snapshot = snapshot
@@ -119,6 +122,9 @@ class SinkLink:
                     if kind == "verified":
                         v = msg.verified
                         self._on_verified(v.request_id, v.position, list(v.token_ids))
+                    elif kind == "release":
+                        if self._on_release is not None:
+                            self._on_release(msg.release.request_id)
                     elif kind == "error":
                         e = msg.error
                         self.errors = (self.errors + [f"{e.request_id}: {e.message}"])[-16:]

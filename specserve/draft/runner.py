@@ -175,6 +175,7 @@ class DraftStats:
     verified_tokens: int = 0
     branches_sent: int = 0  # branch entries in the windows sent
     branches_taken: int = 0  # rollbacks that continued on one of our branches
+    released: int = 0  # requests the sink gave up (our drafts came too late)
     # Our tokens the target agreed with before a rejection, and the rejections:
     # this draft's own estimate of its acceptance, for the branch budget.
     agreed_tokens: int = 4
@@ -244,12 +245,14 @@ class DraftRunner:
             and hasattr(model, "branches") else None
         self.stats = DraftStats()
         self._requests: dict[str, _Request] = {}
+        self._released: set[str] = set()  # given up, until the caller cancels them
         self._links: dict[str, SinkLink] = {}
         # (drafts were waiting past the new verified position, tokens behind it)
         # at each verified update: how timely this draft is, for autoscaling.
         self._timeliness: collections.deque = collections.deque(maxlen=512)
         self._link_factory = link_factory or (
             lambda address: SinkLink(address, self._on_verified, self._snapshot, tls=tls,
+                                     on_release=self.release,
                                      name=name)
         )
 
@@ -263,6 +266,7 @@ class DraftRunner:
             raise ValueError("lookahead and max_tokens must be >= 1")
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already being drafted")
+        self._released.discard(rid)
         link = self._links.get(sink_address)
         if link is None:
             link = self._links[sink_address] = self._link_factory(sink_address)
@@ -274,9 +278,17 @@ class DraftRunner:
         req.task = asyncio.get_running_loop().create_task(self._run(req), name=f"draft-{rid}")
 
     def cancel(self, rid: str) -> bool:
+        if rid in self._released:
+            self._released.discard(rid)
+            return True
         req = self._requests.pop(rid, None)
         if req is None:
             return False
+        self._stop(req)
+        return True
+
+    def _stop(self, req: _Request) -> None:
+        rid = req.id
         req.cancelled = True
         req.changed.set()
         forget = getattr(self.model, "forget", None)
@@ -285,10 +297,27 @@ class DraftRunner:
         if req.task is not None:
             req.task.cancel()
         req.link.close_request(rid)
-        return True
+
+    def release(self, rid: str) -> None:
+        """The sink gave the request up: its steps kept finding none of our
+        drafts in time, so drafting it only takes the draft engine's time from
+        the requests it keeps up with. Stop drafting it; it stays assigned
+        (the caller's cancel() still ends it)."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        self._released.add(rid)
+        self.stats.released += 1
+        log.debug("the sink released %s: stopped drafting it", rid)
+        self._stop(req)
 
     def active(self) -> int:
+        """Requests being drafted."""
         return len(self._requests)
+
+    def assigned(self) -> int:
+        """Requests started and not cancelled: being drafted, or released."""
+        return len(self._requests) + len(self._released)
 
     def sink_down_for(self, sink_address: str) -> float:
         """Seconds the stream to this sink has been broken (0 while it works)."""
@@ -309,6 +338,7 @@ class DraftRunner:
     async def close(self) -> None:
         for rid in list(self._requests):
             self.cancel(rid)
+        self._released.clear()
         for link in self._links.values():
             await link.close()
         self._links.clear()

@@ -41,42 +41,22 @@ the book holds at most `max_requests` requests and `max_branch_tokens` branch
 tokens in all (branches past a bound are dropped and counted); token ids must
 lie in [0, vocab_size). Breaking a bound raises BookError with a gRPC-style code; the
 sink turns it into a per-request error or ends the stream.
+
+Release. A request whose last `release_after` steps in a row found no drafts
+(after the bounded wait) is given up: closed, and named to the caller to tell
+its draft, whose messages for it in flight are then dropped quietly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from specserve.target.book_entry import _Entry
+# the book's error and update live with its entry (re-exported here)
+from specserve.target.book_entry import (ALREADY_EXISTS, INVALID_ARGUMENT, NOT_FOUND,  # noqa: F401
+                                         RESOURCE_EXHAUSTED, BookError, VerifiedUpdate, _Entry)
 from specserve.target.book_stats import ACCEPTED, DRAFTLESS, FIRST, REJECTED, BookStats  # noqa: F401
-
-# gRPC status code numbers (grpc.StatusCode values), kept here so this module
-# does not import grpc.
-INVALID_ARGUMENT = 3
-NOT_FOUND = 5
-ALREADY_EXISTS = 6
-RESOURCE_EXHAUSTED = 8
-
-
-class BookError(Exception):
-    """A message was refused. `code` is a gRPC status code number."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclasses.dataclass
-class VerifiedUpdate:
-    """Tokens the target verified for a request: positions [position, position+len)."""
-
-    key: Hashable  # (stream id, request id)
-    position: int
-    token_ids: list[int]
 
 
 class DraftBook:
@@ -89,7 +69,10 @@ class DraftBook:
         max_branches: int = 32,
         max_branch_len: int = 16,
         max_branch_tokens: int = 1 << 18,
+        release_after: int = 0,
     ):
+        """release_after: give a request up once this many of its steps in a row
+        found no drafts (SpeculationConfig.release_after_steps; 0: never)."""
         if vocab_size < 1 or max_requests < 1 or max_pending < 1:
             raise ValueError("vocab_size, max_requests and max_pending must be >= 1")
         if max_branches < 0 or max_branch_len < 1 or max_branch_tokens < 0:
@@ -101,6 +84,7 @@ class DraftBook:
         self.max_branches = max_branches
         self.max_branch_len = max_branch_len
         self.max_branch_tokens = max_branch_tokens
+        self.release_after = release_after
         self.branch_tokens = 0  # in all entries
         self.stats = BookStats()
         # The same counters per stream (one stream: one draft replica).
@@ -114,6 +98,10 @@ class DraftBook:
         self._index: dict[tuple[int, int], set[Hashable]] = {}
         # Keys not matched to any row at the last propose(): searched the slow way.
         self._unmatched: set[Hashable] = set()
+        # Given up (release_uncovered) and not yet closed by their draft: its
+        # messages for them in flight are dropped quietly. Insertion-ordered, bounded.
+        self._released: dict[Hashable, None] = {}
+        self._uncovered: list[Hashable] = []  # at release_after uncovered steps now
 
     # ---- messages from drafts -------------------------------------------------
 
@@ -125,6 +113,7 @@ class DraftBook:
 
     def open(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
         """k: the request's own K (0: the caller's); end: prompt + max_tokens (0: unknown)."""
+        self._released.pop(key, None)
         if key in self._entries:
             raise BookError(ALREADY_EXISTS, f"request {key[-1]!r} is already open on this stream")
         if len(self._entries) >= self.max_requests:
@@ -160,6 +149,8 @@ class DraftBook:
         """
         entry = self._entries.get(key)
         if entry is None:
+            if key in self._released:
+                return 0  # sent before the draft heard it was released
             raise BookError(NOT_FOUND, f"unknown request {key[-1]!r}: open it first")
         arr = self._checked_tokens(tokens)
         checked = [(int(fork), self._checked_tokens(bt)) for fork, bt in branches]
@@ -187,7 +178,7 @@ class DraftBook:
         if len(differ):
             cut = position + fixed + int(differ[0])
             entry.length = cut
-            self._drop_branches_after(entry, cut)
+            self.branch_tokens -= entry.drop_branches(lambda fork: fork >= cut)
             self.stats.rewritten_messages += 1
             overlap = cut - position
         room = entry.verified + self.max_pending - entry.length
@@ -219,26 +210,6 @@ class DraftBook:
         self.branch_tokens += grow
         self._count(entry, "branches_buffered")
 
-    def _drop_branches(self, entry: _Entry, keep_from: int | None = None) -> None:
-        """Drop the branches forking before keep_from (all when None)."""
-        if not entry.branches:
-            return
-        if keep_from is None:
-            gone = list(entry.branches)
-        else:
-            gone = [b for b in entry.branches if b[0] < keep_from]
-        for b in gone:
-            n = len(entry.branches.pop(b))
-            entry.branch_tokens -= n
-            self.branch_tokens -= n
-
-    def _drop_branches_after(self, entry: _Entry, cut: int) -> None:
-        """S changed at `cut`: branches forking at or after it forked off the old S."""
-        for b in [b for b in entry.branches if b[0] >= cut]:
-            n = len(entry.branches.pop(b))
-            entry.branch_tokens -= n
-            self.branch_tokens -= n
-
     def _count(self, entry: _Entry, name: str, n: int = 1) -> None:
         setattr(self.stats, name, getattr(self.stats, name) + n)
         per = self.stream_stats.get(entry.stream)
@@ -257,10 +228,11 @@ class DraftBook:
         return 0 if entry is None else (min(k, entry.k) if entry.k else k)
 
     def close(self, key: Hashable) -> bool:
+        self._released.pop(key, None)
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._drop_branches(entry)
+        self.branch_tokens -= entry.drop_branches()
         self._index_remove(key, entry)
         self._unmatched.discard(key)
         self.stats.closed += 1
@@ -271,7 +243,27 @@ class DraftBook:
         keys = [k for k in self._entries if k[0] == stream_id]
         for k in keys:
             self.close(k)
+        for k in [k for k in self._released if k[0] == stream_id]:
+            del self._released[k]
         return len(keys)
+
+    def release_uncovered(self) -> list[tuple[Hashable, int]]:
+        """Close the requests whose last release_after steps found no drafts (after
+        the wait): drafts too late to verify only take the draft's time from the
+        requests it keeps up with. Returns (key, steps) for the caller to tell."""
+        out = []
+        for key in self._uncovered:
+            entry = self._entries.get(key)
+            if entry is None or entry.uncovered < self.release_after:
+                continue  # closed meanwhile, or the wait brought drafts
+            out.append((key, entry.uncovered))
+            self._count(entry, "released")
+            self.close(key)
+            self._released[key] = None
+            if len(self._released) > self.max_requests:
+                del self._released[next(iter(self._released))]
+        self._uncovered = []
+        return out
 
     def sequence(self, key: Hashable) -> tuple[list[int], int]:
         """(S, len(V)) of a request, for tests and debugging."""
@@ -325,6 +317,7 @@ class DraftBook:
 
         updates: list[VerifiedUpdate] = []
         self.misses = []
+        self._uncovered = []
         for key, i in claimed.items():
             self.stats.rows_matched += 1
             entry = self._entries[key]
@@ -335,7 +328,7 @@ class DraftBook:
                 # drafts could help or that is worth waiting for.
                 proposals[i] = []
             else:
-                self._note_proposal(entry, len(histories[i]), proposals[i])
+                self._note_proposal(key, entry, len(histories[i]), proposals[i])
                 if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
                     # The draft is drafting for this row but nothing is here (it
                     # has not heard of the rejection yet, or fell behind): the
@@ -366,6 +359,7 @@ class DraftBook:
             if not tokens:
                 continue
             out[i] = tokens
+            entry.uncovered = 0
             self.stats.rows_with_proposals += 1
             self.stats.proposed_tokens += len(tokens)
             self._count(entry, f"covered_after_{entry.last_outcome}")
@@ -374,7 +368,7 @@ class DraftBook:
         self.misses = []
         return out
 
-    def _note_proposal(self, entry: _Entry, n: int, proposal: list[int]) -> None:
+    def _note_proposal(self, key: Hashable, entry: _Entry, n: int, proposal: list[int]) -> None:
         """Count this step's proposal against how the request's last step ended."""
         outcome = entry.last_outcome
         if outcome != FIRST:
@@ -386,6 +380,9 @@ class DraftBook:
         if proposal:
             self.stats.rows_with_proposals += 1
             self.stats.proposed_tokens += len(proposal)
+        entry.uncovered = 0 if proposal else entry.uncovered + 1
+        if self.release_after and entry.uncovered >= self.release_after:
+            self._uncovered.append(key)
         entry.last_start, entry.last_proposal = n, proposal
 
     # ---- internals ------------------------------------------------------------
@@ -444,7 +441,8 @@ class DraftBook:
                 # token, or the one after them: the bonus): a rejection.
                 entry.last_outcome = REJECTED
                 branch = entry.branches.get((p, int(h[p])))
-                self._drop_branches(entry)  # all forked at or before p, or off the old S
+                # all forked at or before p, or off the old S
+                self.branch_tokens -= entry.drop_branches()
                 hit = branch is not None and len(branch) >= n - p and np.array_equal(
                     branch[: n - p], h[p:n])
                 if hit:
@@ -456,7 +454,7 @@ class DraftBook:
                 # The target ran past the drafts: S is h.
                 entry.put(v, np.asarray(h[v:n], dtype=np.int64))
             entry.verified = n
-            self._drop_branches(entry, keep_from=n)
+            self.branch_tokens -= entry.drop_branches(lambda fork: fork < n)
         self._index_add(key, entry)
         if entry.k:
             k = min(k, entry.k)

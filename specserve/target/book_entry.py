@@ -1,21 +1,49 @@
 """One request's entry in the draft book: its speculative sequence S (prompt +
 verified + drafted tokens), how much of S is verified and reported, and its
-branches (alternatives at fork positions, each with its continuation). Pure."""
+branches (alternatives at fork positions, each with its continuation); and
+what the book hands out: its verified updates and its errors. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
 from specserve.target.book_stats import FIRST
+
+# gRPC status code numbers (grpc.StatusCode values), kept here so this module
+# does not import grpc.
+INVALID_ARGUMENT = 3
+NOT_FOUND = 5
+ALREADY_EXISTS = 6
+RESOURCE_EXHAUSTED = 8
+
+
+class BookError(Exception):
+    """A message was refused. `code` is a gRPC status code number."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class VerifiedUpdate:
+    """Tokens the target verified for a request: positions [position, position+len)."""
+
+    key: Hashable  # (stream id, request id)
+    position: int
+    token_ids: list[int]
 
 
 class _Entry:
     """One request's speculative sequence; tokens[:verified] are confirmed."""
 
     __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k", "branches",
-                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream", "end")
+                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream", "end",
+                 "uncovered")
 
     def __init__(self, prompt: Sequence[int], k: int = 0):
         n = len(prompt)
@@ -34,6 +62,15 @@ class _Entry:
         self.last_outcome = FIRST  # how this request's last verify step ended
         self.stream: Hashable = None
         self.end: int | None = None  # where the output ends (history length); None: unknown
+        self.uncovered = 0  # this request's steps in a row without drafts
+
+    def drop_branches(self, which: Callable[[int], bool] | None = None) -> int:
+        """Drop the branches whose fork position `which` holds (all: None);
+        returns how many tokens they held."""
+        gone = [b for b in self.branches if which is None or which(b[0])]
+        n = sum(len(self.branches.pop(b)) for b in gone)
+        self.branch_tokens -= n
+        return n
 
     def seq(self) -> np.ndarray:
         return self.tokens[: self.length]

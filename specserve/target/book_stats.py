@@ -45,6 +45,7 @@ class BookStats:
     branch_hits: int = 0  # steps after a rejection that found a matching branch
     wait_rows: int = 0  # steps after a step with drafts that found none (could wait)
     wait_hits: int = 0  # ... that got drafts within the bounded wait (refill)
+    released: int = 0  # requests given up: release_after steps in a row without drafts
 
     @property
     def alpha(self) -> float | None:

@@ -187,6 +187,7 @@ class SpecTotals:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     draft_per_position: list[int] = dataclasses.field(default_factory=list)
+    steps: int = 0  # engine steps that produced output (prefill or decode)
     running: int = 0  # the engine's batch and queue at its last step
     waiting: int = 0
     # Called with (tokens a decode step verified, seconds since the previous
@@ -213,6 +214,8 @@ def spec_counter_factory():
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             sd = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats else None
+            if iteration_stats is not None:  # vLLM makes one per step with outputs
+                totals.steps += 1
             if totals.step_observer is not None and iteration_stats is not None:
                 now = time.monotonic()
                 # Decode steps only: a prefill step's interval also holds the
@@ -275,7 +278,7 @@ class TargetEngine:
               sink_bind: str = "127.0.0.1:0", sink_host: str = "127.0.0.1", tls=None,
               cpus: str | None = None, distributed_executor_backend: str | None = None,
               speculative_config: dict | None = None,
-              max_wait_ms: float = 0.0,
+              max_wait_ms: float = 0.0, release_after_steps: int = 0,
               engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 
@@ -286,11 +289,14 @@ class TargetEngine:
         speculative_config: another vLLM speculative config instead of ours
           (the bench's co-located `draft_model` baseline); no sink then.
         max_wait_ms: the sink's bounded wait at most (SpeculationConfig.max_wait_ms).
+        release_after_steps: the sink gives a request's drafts up after this
+          many steps in a row without any (SpeculationConfig.release_after_steps).
         engine_metrics: also export vLLM's own engine metrics (vllm:* as
           ray_vllm_*, spec-decode counters included) through Ray's metrics
           agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
         """
-        from specserve.target.proposer import ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE
+        from specserve.target.proposer import (ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE,
+                                               ENV_RELEASE_AFTER)
         from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
 
         apply_cpu_env(settings)
@@ -304,7 +310,7 @@ class TargetEngine:
         # The engine builds the proposer in its own worker processes, which
         # read their settings from the environment they inherit at spawn.
         env: dict[str, str | None] = {var: None for var in
-                                      (ENV_ADDRESS, ENV_PORT_FILE, ENV_MAX_WAIT_MS, ENV_CA,
+                                      (ENV_ADDRESS, ENV_PORT_FILE, ENV_MAX_WAIT_MS, ENV_RELEASE_AFTER, ENV_CA,
                                        ENV_CERT, ENV_KEY, ENV_SERVER_NAME)}
         if speculative_config is not None:
             extra["speculative_config"] = speculative_config
@@ -313,6 +319,7 @@ class TargetEngine:
             env[ENV_ADDRESS] = sink_bind
             env[ENV_PORT_FILE] = str(port_file)
             env[ENV_MAX_WAIT_MS] = str(max_wait_ms)
+            env[ENV_RELEASE_AFTER] = str(release_after_steps)
             if tls is not None:
                 tls.read()  # a missing file fails here, with its path
                 env.update(tls.to_env())

@@ -37,6 +37,7 @@ ENV_ADDRESS = "SPECSERVE_SINK_ADDRESS"
 ENV_PORT_FILE = "SPECSERVE_SINK_PORT_FILE"
 ENV_MAX_PENDING = "SPECSERVE_SINK_MAX_PENDING"
 ENV_MAX_WAIT_MS = "SPECSERVE_SINK_MAX_WAIT_MS"
+ENV_RELEASE_AFTER = "SPECSERVE_SINK_RELEASE_AFTER_STEPS"
 
 CLASS_PATH = "specserve.target.proposer.RemoteDraftProposer"
 
@@ -73,6 +74,7 @@ class RemoteDraftProposer:
             max_pending=max(max_pending, self.k),
             max_prompt_len=self.max_model_len,
             max_wait_s=float(os.environ.get(ENV_MAX_WAIT_MS, "0")) / 1000.0,
+            release_after=int(os.environ.get(ENV_RELEASE_AFTER, "0")),
         )
         from specserve.tls import TlsFiles
 

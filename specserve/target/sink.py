@@ -12,7 +12,9 @@ behind) and the rate model says it pays (specserve.control.policy.wait_bound),
 it waits at most that long for their fresh drafts (the bounded wait) and
 proposes what arrived. A draft that does not read its verified updates, or breaks a
 stream-level bound, is cut off with a gRPC status; its requests are dropped and
-the target simply decodes them without drafts.
+the target simply decodes them without drafts. A request whose steps found no
+drafts `release_after` times in a row (after the wait) is released: the book
+closes it and its draft is told (spec.proto Release) to stop drafting it.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         max_wait_s: float = 0.0,
         max_branches: int = 32,
         max_branch_len: int = 16,
+        release_after: int = 0,
     ):
         self._book = DraftBook(
             vocab_size,
@@ -104,6 +107,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             max_prompt_len=max_prompt_len,
             max_branches=max_branches,
             max_branch_len=max_branch_len,
+            release_after=release_after,
         )
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # drafts came in
@@ -182,6 +186,14 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                         w = self._waits.setdefault(name, WaitFigures())
                         w.waits += 1
                         w.wait_seconds += waited
+        with self._lock:
+            released = self._book.release_uncovered()
+        for key, steps in released:
+            # Its drafts came too late this many steps in a row: tell its draft.
+            stream = streams.get(key[0])
+            if stream is not None:
+                stream.send(spec_pb2.SinkMessage(release=spec_pb2.Release(
+                    request_id=key[1], uncovered_steps=steps)))
         with self._lock:
             for name in {s_.name for s_ in streams.values()}:
                 self._waits.setdefault(name, WaitFigures()).steps += 1

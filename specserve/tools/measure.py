@@ -124,6 +124,8 @@ class Cell:
     branch_hit_rate: float | None = None
     coverage_after_rejected: float | None = None
     wait_ms_per_step: float | None = None
+    # Engine steps over the cell (batched: one step carries every row in flight).
+    engine_steps: int | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -202,6 +204,7 @@ async def run_cell(spec, prompts: list[list[int]], max_tokens: int, concurrency:
                 draft_tokens=after.draft_tokens - before.draft_tokens,
                 accepted_tokens=after.accepted_tokens - before.accepted_tokens,
                 steps_with_drafts=after.num_drafts - before.num_drafts,
+                engine_steps=after.steps - before.steps,
                 latency_per_token_ms_p50=percentile(per_token, 50))
 
 
@@ -235,10 +238,21 @@ async def use_synthetic(spec, alpha: float, delay_ms: float = 0.0,
 def _step_point(short: Cell, long: Cell) -> tuple[float, float]:
     """(query tokens per batched step, ms per batched step) from two runs that
     differ only in output length. A batched step carries one request-step of
-    each of the C requests in flight (all prompts have the same length)."""
-    c = short.concurrency
-    d_steps = (long.request_steps - short.request_steps) / min(c, short.prompts)
-    d_tokens = (long.request_steps + long.draft_tokens - short.request_steps - short.draft_tokens)
+    each of the C requests in flight (all prompts have the same length).
+
+    The steps are the engine's own count. (Output minus accepted tokens
+    undercounts them: a request's last step that verifies all its drafts
+    emits one token fewer than it accepted plus one, the bonus falling past
+    max_tokens; in the calibrate preset each A = 1 step read about 15 % too
+    dear.)"""
+    c = min(short.concurrency, short.prompts)
+    if long.engine_steps is not None and short.engine_steps is not None:
+        d_steps = float(long.engine_steps - short.engine_steps)
+        d_tokens = c * d_steps + long.draft_tokens - short.draft_tokens
+    else:  # cells measured before engine steps were counted
+        d_steps = (long.request_steps - short.request_steps) / c
+        d_tokens = (long.request_steps + long.draft_tokens - short.request_steps
+                    - short.draft_tokens)
     if d_steps <= 0:
         raise RuntimeError("the longer run took no more steps; measurement failed")
     return d_tokens / d_steps, (long.wall_s - short.wall_s) * 1000 / d_steps
@@ -277,32 +291,46 @@ def profile_from_points(points: list[dict], source: str, gpus: int = 1,
     """A specserve-profile/1 dict from measured points.
 
     target.step_ms: target-only points (x = batch) and the A = 1 speculative
-    points (x = batch * tokens per step) with the proposer's overhead taken out;
-    spec_overhead_ms: A = 0 speculative step minus target-only step at the same
-    batch (never below 0). The draft is the synthetic one: `draft_step_ms`.
-    linear: replace the points by a least-squares line through them.
+    points (x = query tokens per step) with the proposer's overhead taken out;
+    spec_overhead_ms: what an A = 0 speculative step costs over a target-only
+    step of as many query tokens (the target-only points, interpolated; never
+    below 0). The draft is the synthetic one: `draft_step_ms`.
+    linear: replace the points by a least-squares line through them, and
+    price a prompt token as the line prices a query token (a compute-bound
+    CPU prefills at the rate it verifies; the points themselves hold no
+    prefill: the two runs of a point share their prompts).
     """
-    base = {p["concurrency"]: p for p in points if p["system"] == "target_only"}
-    overheads = [p["step_ms"] - base[p["concurrency"]]["step_ms"] for p in points
-                 if p["system"] == "specserve_synthetic" and p["alpha"] == 0.0
-                 and p["concurrency"] in base]
-    overhead = max(sum(overheads) / len(overheads), 0.0) if overheads else 0.0
-    pts: dict[float, list[float]] = {}
-    for p in points:
-        if p["system"] == "target_only":
-            pts.setdefault(round(p["tokens_per_step"], 2), []).append(p["step_ms"])
-        elif p["alpha"] == 1.0:
-            pts.setdefault(round(p["tokens_per_step"], 2), []).append(p["step_ms"] - overhead)
-    step = sorted((x, max(sum(v) / len(v), 0.0)) for x, v in pts.items())
-    if linear and len(step) >= 2:
+    from specserve.tools.simulate.profile import StepProfile
+
+    def shape(xy: dict[float, list[float]]) -> tuple[list[tuple[float, float]], float]:
+        """(points, slope): the mean per x, or a line through them when linear."""
+        pts = sorted((x, max(sum(v) / len(v), 0.0)) for x, v in xy.items())
+        if not (linear and len(pts) >= 2):
+            return pts, 0.0
         # One straight line through all points (compute-bound CPU): robust to
         # the noise of a shared machine, where single points can be off by 30 %.
-        a, b = linear_fit(step)
-        step = [(step[0][0], a + b * step[0][0]), (step[-1][0], a + b * step[-1][0])]
+        a, b = linear_fit(pts)
+        return [(pts[0][0], a + b * pts[0][0]), (pts[-1][0], a + b * pts[-1][0])], b
+
+    base: dict[float, list[float]] = {}
+    for p in points:
+        if p["system"] == "target_only":
+            base.setdefault(round(p["tokens_per_step"], 2), []).append(p["step_ms"])
+    zeros = [p for p in points if p["system"] == "specserve_synthetic" and p["alpha"] == 0.0]
+    overhead = 0.0
+    if base and zeros:
+        plain = StepProfile(tuple(shape(base)[0]))
+        overhead = max(sum(p["step_ms"] - plain(p["tokens_per_step"]) for p in zeros)
+                       / len(zeros), 0.0)
+    pts = {x: list(v) for x, v in base.items()}
+    for p in points:
+        if p["system"] == "specserve_synthetic" and p["alpha"] == 1.0:
+            pts.setdefault(round(p["tokens_per_step"], 2), []).append(p["step_ms"] - overhead)
+    step, slope = shape(pts)
     return {
         "format": "specserve-profile/1", "source": source,
         "target": {"step_ms": {"points": [list(p) for p in step], "per_seq_ms": 0.0},
-                   "prefill_ms_per_token": 0.0, "spec_overhead_ms": overhead,
+                   "prefill_ms_per_token": slope, "spec_overhead_ms": overhead,
                    "gpus": gpus, "max_num_seqs": max_num_seqs},
         "draft": {"step_ms": draft_step_ms, "prefill_ms_per_token": 0.0, "restart_ms": 0.0,
                   "gpus": 1},

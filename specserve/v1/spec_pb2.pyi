@@ -55,12 +55,22 @@ class CloseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class SinkMessage(_message.Message):
-    __slots__ = ("verified", "error")
+    __slots__ = ("verified", "error", "release")
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     verified: Verified
     error: RequestError
-    def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    release: Release
+    def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("request_id", "uncovered_steps")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNCOVERED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    uncovered_steps: int
+    def __init__(self, request_id: _Optional[str] = ..., uncovered_steps: _Optional[int] = ...) -> None: ...
 
 class Verified(_message.Message):
     __slots__ = ("request_id", "position", "token_ids")

@@ -316,3 +316,32 @@ def test_a_draft_ahead_of_the_window_still_sends_branches_for_the_new_positions(
         await runner.close()
 
     asyncio.run(main())
+
+
+
+def test_a_request_the_sink_releases_stops_being_drafted():
+    """The sink gave the request up (its drafts came too late): the runner stops
+    drafting it and closes it on the link; it stays assigned until the caller
+    cancels it, and updates that still come for it are ignored."""
+    async def main():
+        runner, link = make()
+        runner.start("r", [1, 2], "sink:1", lookahead=5, max_tokens=100)
+        runner.start("other", [3], "sink:1", lookahead=5, max_tokens=100)
+        await settle()
+        runner.release("r")
+        await settle()
+        assert link.closed == ["r"]
+        assert runner.active() == 1 and runner.assigned() == 2
+        assert runner.stats.released == 1
+        sent = len(link.drafts)
+        runner._on_verified("r", 2, expected([1, 2], 3)[2:])
+        await settle()
+        assert [d for d in link.drafts[sent:] if d[0] == "r"] == []
+        runner.release("r")  # again, or for an unknown request: nothing
+        runner.release("nope")
+        assert runner.stats.released == 1
+        assert runner.cancel("r") and runner.assigned() == 1 and not runner.cancel("r")
+        assert link.closed == ["r"]  # closed once
+        await runner.close()
+
+    asyncio.run(main())

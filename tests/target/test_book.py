@@ -390,3 +390,43 @@ def test_a_wrong_token_after_the_accepted_window_is_a_rejection_too():
     assert props == [[61, 62]]
     s = b.stats
     assert (s.steps_after_rejected, s.branch_hits, s.accepted_tokens) == (1, 1, 3)
+
+
+def test_a_request_without_drafts_for_release_after_steps_is_released():
+    """release_after = 3, counted per request over its steps in a row without a
+    proposal; a step that gets drafts (at once or from the wait's refill)
+    starts the count over; a finishing row counts as no step."""
+    b = book(release_after=3)
+    b.open(("s", "r"), [1, 2], end=20)
+    hist = [1, 2]
+    for _ in range(2):
+        hist.append(9)
+        assert b.propose([h(*hist)], K, K + 1)[0] == [[]]
+        assert b.release_uncovered() == []
+    b.extend(("s", "r"), len(hist), [30, 31])  # drafts in time: the count starts over
+    assert b.propose([h(*hist)], K, K + 1)[0] == [[30, 31]]
+    hist += [30, 31, 7]
+    # a step after an accepted window finds nothing (a miss) but the wait's
+    # refill brings drafts: that step had drafts, so the count starts over
+    assert b.propose([h(*hist)], K, K + 1)[0] == [[]]
+    assert b.misses == [(0, ("s", "r"))]
+    b.extend(("s", "r"), len(hist), [40])
+    assert b.refill([h(*hist)], K) == {0: [40]}
+    assert b.release_uncovered() == []
+    hist += [40, 8]
+    for n in (1, 2, 3):
+        assert b.propose([h(*hist)], K, K + 1)[0] == [[]]
+        hist.append(9)
+        assert b.release_uncovered() == ([(("s", "r"), 3)] if n == 3 else [])
+    assert ("s", "r") not in b and b.stats.released == 1 and b.stats.closed == 1
+    assert b.extend(("s", "r"), len(hist), [1, 2]) == 0  # in flight: dropped quietly
+    assert b.close(("s", "r")) is False  # its draft's close: nothing left
+    with pytest.raises(BookError) as e:  # after the close it is unknown again
+        b.extend(("s", "r"), len(hist), [1, 2])
+    assert e.value.code == NOT_FOUND
+    # never with release_after = 0
+    b0 = book()
+    b0.open(("s", "r"), [1, 2])
+    for i in range(50):
+        b0.propose([h(1, 2, *([9] * (i + 1)))], K, K + 1)
+        assert b0.release_uncovered() == []

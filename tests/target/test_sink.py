@@ -281,6 +281,48 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
     assert got == [("r", 2, [3])] and up_since is None  # the working stream delivered
 
 
+def test_a_release_reaches_the_draft_runner_over_the_wire():
+    """A real SinkLink and DraftRunner with a draft too slow to ever send a
+    token: after release_after = 2 steps without drafts the sink releases the
+    request, and the runner, told over the stream, stops drafting it."""
+    import asyncio
+
+    from specserve.draft.runner import DraftRunner
+
+    class Stuck:
+        max_model_len = 1000
+
+        async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+            await asyncio.Event().wait()
+            yield []
+
+    s = DraftSink(vocab_size=100, max_requests=8, max_pending=16, release_after=2)
+    s.start("127.0.0.1:0")
+
+    async def main():
+        runner = DraftRunner(Stuck())
+        runner.start("r", [1, 2], f"127.0.0.1:{s.port}", lookahead=4, max_tokens=50)
+        for _ in range(200):
+            if s.stats()["open_requests"]:
+                break
+            await asyncio.sleep(0.02)
+        for hist in ([1, 2, 3], [1, 2, 3, 4]):
+            assert await asyncio.to_thread(s.propose, [h(*hist)], [True], 2) == [[]]
+        for _ in range(200):
+            if runner.stats.released:
+                break
+            await asyncio.sleep(0.02)
+        result = runner.stats.released, runner.active(), runner.assigned()
+        await runner.close()
+        return result
+
+    try:
+        assert asyncio.run(main()) == (1, 0, 1)
+        assert s.stats()["released"] == 1 and s.stats()["request_errors"] == 0
+    finally:
+        s.stop()
+
+
 # ---- branches and the bounded wait ------------------------------------------------
 
 
@@ -402,3 +444,43 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
     finally:
         sink.stop()
     assert DraftSink(vocab_size=100).wait_bound(1, 1, 3) == 0.0  # max_wait_s 0: never
+
+
+def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
+    """release_after = 3: a draft opened "late" but never sends its drafts in
+    time. The third step in a row without any releases it: the sink closes it,
+    tells the draft (Release), and drops the draft's late messages for it
+    without an error. "keeps-up", whose window is always ahead, stays."""
+    s = DraftSink(vocab_size=100, max_requests=8, max_pending=16, release_after=3)
+    s.start("127.0.0.1:0")
+    try:
+        c = Client(s.port)
+        c.open("late", [1, 2, 3])
+        c.open("keeps-up", [7, 8])
+        c.draft("keeps-up", 2, list(range(50, 60)))
+        assert wait_for(lambda: s.stats()["draft_tokens_buffered"] == 10)
+        late, ok = [1, 2, 3], [7, 8]
+        for step in range(3):
+            out = s.propose([h(*late), h(*ok)], [True, True], k=2)
+            assert out == [[], list(range(50 + 3 * step, 52 + 3 * step))], out
+            late.append(10 + step)
+            ok += list(range(50 + 3 * step, 53 + 3 * step))  # 2 accepted + the bonus
+        replies = []
+        while True:
+            try:
+                replies.append(c.reply(timeout=1))
+            except queue.Empty:
+                break
+        released = [m.release for m in replies if m.WhichOneof("kind") == "release"]
+        assert [(r.request_id, r.uncovered_steps) for r in released] == [("late", 3)]
+        stats = s.stats()
+        assert stats["open_requests"] == 1 and stats["released"] == 1
+        c.draft("late", 4, [5, 6])  # sent before the draft heard: dropped quietly
+        c.out.put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id="late")))
+        c.draft("keeps-up", 12, [1])  # (in order: the late ones came first)
+        assert wait_for(lambda: s.stats()["draft_messages"] == 2)
+        assert s.stats()["request_errors"] == 0
+        assert s.propose([h(*ok)], [True], k=2) == [[59, 1]]
+        c.close()
+    finally:
+        s.stop()

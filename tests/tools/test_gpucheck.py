@@ -16,10 +16,11 @@ from specserve.tools.measure import Cell, _step_point, profile_from_points
 from specserve.tools.simulate.profile import Profile
 
 
-def cell(max_tokens, wall_s, accepted=0, drafted=0, c=2, k=0):
+def cell(max_tokens, wall_s, accepted=0, drafted=0, c=2, k=0, engine_steps=None):
     return Cell(system="x", concurrency=c, k=k, alpha=None, prompts=c, max_tokens=max_tokens,
                 output_tokens=c * max_tokens, wall_s=wall_s, draft_tokens=drafted,
-                accepted_tokens=accepted, steps_with_drafts=0, latency_per_token_ms_p50=0.0)
+                accepted_tokens=accepted, steps_with_drafts=0, latency_per_token_ms_p50=0.0,
+                engine_steps=engine_steps)
 
 
 def test_step_point_is_a_difference_of_two_runs():
@@ -35,6 +36,46 @@ def test_step_point_is_a_difference_of_two_runs():
     x, ms = _step_point(short, long)
     assert x == pytest.approx((44 + 88 - 12 - 20) / 16)
     assert ms == pytest.approx(800 / 16)
+
+
+def test_step_point_counts_the_engines_steps():
+    """A = 1, K = 2, 2 requests. 17 tokens each: the prefill, 5 steps of 3, and
+    a last step that verifies the 1 draft left and emits 1 token (its bonus
+    falls past max_tokens): 7 engine steps, 11 drafts and 11 accepted per
+    request, so output minus accepted reads 6 steps. 47 tokens: 1 + 15 x 3 +
+    the same last step: 17 engine steps, 31 drafts per request. The engine's
+    count gives 10 batched steps of 2 x 1 + 40 / 10 = 6 query tokens; output
+    minus accepted would give 10 steps too here but reads short wherever the
+    two runs' last steps differ, which is what the engine count is for."""
+    short = cell(17, 1.0, accepted=22, drafted=22, k=2, engine_steps=7)
+    long = cell(47, 1.5, accepted=62, drafted=62, k=2, engine_steps=17)
+    x, ms = _step_point(short, long)
+    assert x == pytest.approx((2 * 10 + 40) / 10)
+    assert ms == pytest.approx(500 / 10)
+    # where the counts disagree, the engine's wins
+    x, ms = _step_point(short, cell(47, 1.5, accepted=62, drafted=62, k=2, engine_steps=22))
+    assert ms == pytest.approx(500 / 15)
+
+
+def test_the_overhead_is_against_a_step_of_as_many_tokens():
+    """Steps cost 9 + 1 ms per query token; a speculative step 2 ms more. The
+    A = 0 point verifies 5 tokens (the row and 4 rejected drafts), so its
+    overhead is 16 - 14 = 2 ms against the target-only points at 5 tokens, not
+    16 - 10 (the one-token target-only step); the A = 1 points hold the same
+    overhead. The linear profile prices a prompt token at the line's 1 ms."""
+    points = [
+        {"system": "target_only", "alpha": None, "k": 0, "concurrency": 1, "tokens_per_step": 1.0, "step_ms": 10.0},
+        {"system": "target_only", "alpha": None, "k": 0, "concurrency": 4, "tokens_per_step": 4.0, "step_ms": 13.0},
+        {"system": "specserve_synthetic", "alpha": 1.0, "k": 4, "concurrency": 1, "tokens_per_step": 5.0, "step_ms": 16.0},
+        {"system": "specserve_synthetic", "alpha": 1.0, "k": 4, "concurrency": 4, "tokens_per_step": 20.0, "step_ms": 31.0},
+        {"system": "specserve_synthetic", "alpha": 0.0, "k": 4, "concurrency": 1, "tokens_per_step": 5.0, "step_ms": 16.0},
+    ]
+    for linear in (False, True):
+        p = Profile.from_dict(profile_from_points(points, "test", linear=linear))
+        assert p.target.spec_overhead_ms == pytest.approx(2.0)
+        assert p.target.step(5.0) == pytest.approx(14.0)
+        assert p.target.step(20.0) == pytest.approx(29.0)
+        assert p.target.prefill_ms_per_token == (pytest.approx(1.0) if linear else 0.0)
 
 
 def test_profile_from_points_takes_out_the_proposer_overhead():

@@ -287,6 +287,20 @@ def test_branches_cover_the_step_after_a_rejection():
     assert half.branch_hit_rate == pytest.approx(0.5, abs=0.05)
 
 
+def test_a_wrong_first_token_is_a_rejection_branches_cover():
+    """The draft drafts from the prompt while the target prefills, so the first
+    decode step is judged like any other: where the draft's first token was
+    wrong, a branch covers it (the real book counts it as a rejection). Short
+    outputs, RTT R = 4 ms > 0: with branch_hit = 1 every decode step of every
+    request finds drafts, its first one included (before, a wrong first token
+    left the first decode step draftless: about half the requests here)."""
+    sc = one_request(k=3, alpha=0.5, lookahead=12, rtt_ms=4.0, requests=200, output_len=8,
+                     branch_hit=1.0)
+    r = simulate(profile(), sc)
+    assert r.steps_with_drafts == r.request_steps - 200  # all but the prefills
+    assert r.branch_hits > 200 * 0.5 * 0.8  # the first tokens' rejections among them
+
+
 def test_the_bounded_wait_holds_steps_only_when_it_pays():
     """Draft 3 ms a token, T = 30 ms: after a rejection without a branch, holding
     the step a few draft tokens pays at one request; the waits are bounded."""

@@ -187,9 +187,11 @@ class HttpBackend:
     system = "specserve_http"
     alpha = None
 
-    def __init__(self, target: str, draft: str, k: int, settings, workdir: Path):
+    def __init__(self, target: str, draft: str, k: int, settings, workdir: Path,
+                 branch_fan_out: int | None = None):
         self.target, self.draft, self.k, self.settings = target, draft, k, settings
         self.workdir = workdir
+        self.branch_fan_out = branch_fan_out
         self.server = None
         self.name = "bench-target"
 
@@ -203,7 +205,9 @@ class HttpBackend:
                        "resources": {"cpus_per_worker": 1}},
             "drafts": [{"name": "draft", "model": self.draft, "engine": engine,
                         "resources": {"cpus_per_worker": 0.25}}],
-            "speculation": {"num_speculative_tokens": self.k},
+            "speculation": {"num_speculative_tokens": self.k,
+                            **({} if self.branch_fan_out is None
+                               else {"branch_fan_out": self.branch_fan_out})},
             "ray": {"num_cpus": 4},
         }
 
@@ -268,21 +272,24 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
             out.append((system, None, lambda: VllmDraftModelBackend(a.target, a.draft, a.k, s)))
         elif system == "specserve":
             out.append((system, None, lambda: LocalBackend("specserve", LocalSpec(
-                a.target, a.draft, k=a.k, settings=s, adaptive_k=True))))
+                a.target, a.draft, k=a.k, settings=s, adaptive_k=True,
+                speculation=a.speculation()))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
                 spec = (f"synthetic:{alpha:g}"
                         + (f"@{a.synthetic_delay_ms:g}ms" if a.synthetic_delay_ms else "")
                         + f",h{a.synthetic_recovery_hit:g}")
                 out.append((system, alpha, lambda spec=spec, alpha=alpha: LocalBackend(
-                    "specserve_synthetic", LocalSpec(a.target, spec, k=a.k,
-                                                     settings=s, replay=replay()), alpha)))
+                    "specserve_synthetic", LocalSpec(a.target, spec, k=a.k, settings=s,
+                                                     replay=replay(),
+                                                     speculation=a.speculation()), alpha)))
         elif system == "vllm_serve":
             from specserve.tools.bench.vllm_serve import VllmServeBackend
 
             out.append((system, None, lambda: VllmServeBackend(a.target, a.draft, a.k, s,
                                                                workdir / "vllm_serve")))
         elif system == "specserve_http":
-            out.append((system, None, lambda: HttpBackend(a.target, a.draft, a.k, s, workdir)))
+            out.append((system, None, lambda: HttpBackend(a.target, a.draft, a.k, s, workdir,
+                                                          a.branch_fan_out)))
     return out
 

@@ -118,6 +118,8 @@ def pool(rounds: list[dict]) -> dict:
     out = dict(rounds[0])
     for key in ("requests", "output_tokens", "wall_s", "draft_tokens", "accepted_tokens"):
         out[key] = sum(r[key] for r in rounds)
+    if "released" in out:
+        out["released"] = sum(r.get("released") or 0 for r in rounds)
     out["output_tokens_per_s"] = out["output_tokens"] / out["wall_s"]
     for key in ("tpot_p50_ms", "tpot_p99_ms", "tpot_mean_ms", "ttft_p50_ms",
                 "conditional_acceptance", "mean_accepted_length", "coverage", "tokens_per_step",

@@ -256,6 +256,9 @@ def add_arguments(p, positive_int, temperature) -> None:
     p.add_argument("--synthetic-recovery-hit", type=float, default=0.6,
                    help="H: where the synthetic draft errs, its alternatives hold the "
                         "target's token with this probability (default 0.6)")
+    p.add_argument("--branch-fan-out", type=int, choices=range(0, 17), metavar="F",
+                   help="F (speculation.branch_fan_out) for every speculative system "
+                        "(default: the config's, 3; 0: no branches)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
@@ -289,5 +292,5 @@ def bench_args(args, target: str, draft: str | None) -> BenchArgs:
         systems=list(dict.fromkeys(args.systems)), rounds=pick("rounds"), dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
         ignore_eos=not args.no_ignore_eos, synthetic_delay_ms=args.synthetic_delay_ms,
-        synthetic_recovery_hit=args.synthetic_recovery_hit)
+        synthetic_recovery_hit=args.synthetic_recovery_hit, branch_fan_out=args.branch_fan_out)
 

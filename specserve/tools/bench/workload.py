@@ -83,4 +83,12 @@ class BenchArgs:
     ignore_eos: bool = True
     synthetic_delay_ms: float = 0.0
     synthetic_recovery_hit: float = 0.6
+    branch_fan_out: int | None = None  # F for every speculative system (None: the config's)
+
+    def speculation(self):
+        """The SpeculationConfig every speculative system runs with."""
+        from specserve.config import SpeculationConfig
+
+        extra = {} if self.branch_fan_out is None else {"branch_fan_out": self.branch_fan_out}
+        return SpeculationConfig(num_speculative_tokens=self.k, **extra)
 

@@ -341,6 +341,16 @@ class _Sim:
             r.emitted = 1
             r.first_token = self.now
             self.request_steps += 1
+            # The draft has drafted from the prompt since the request arrived:
+            # its first token is judged like a verify step's (the book does
+            # so): wrong, it is a rejection a branch may cover (else the wait
+            # may hold the next step); not drafted yet, the draft is behind.
+            r.drafted = self.use_pool and r.run.end > 0
+            r.rejected = r.drafted and not r.run.agrees_before(1)
+            if r.rejected:
+                self.rejections += 1
+                if self.rng.random() < sc.branch_hit:
+                    self.take_branch(r)
             updates.append((r, r.emitted))
         for r, flags in decode:
             accepted = 0
