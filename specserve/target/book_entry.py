@@ -67,6 +67,8 @@ class _Entry:
     def drop_branches(self, which: Callable[[int], bool] | None = None) -> int:
         """Drop the branches whose fork position `which` holds (all: None);
         returns how many tokens they held."""
+        if not self.branches:
+            return 0  # the usual case, on the engine step's path
         gone = [b for b in self.branches if which is None or which(b[0])]
         n = sum(len(self.branches.pop(b)) for b in gone)
         self.branch_tokens -= n
