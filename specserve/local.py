@@ -39,7 +39,6 @@ from specserve.v1 import spec_pb2, spec_pb2_grpc
 log = logging.getLogger(__name__)
 
 DRAFT_POOL = "draft"  # LocalSpec's one draft pool, as the K controller names it
-DRAFT_NICENESS = 10  # a model draft's process on the target's machine (nice -n)
 
 @dataclasses.dataclass
 class Output:
@@ -143,15 +142,8 @@ class LocalSpec:
         if draft_cpus is not None:
             draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
         control_port = free_port()
-        # A model draft sharing this machine's cores with the target runs at a
-        # lower priority: its work is hints, the target's engine loop is not
-        # (measured: at concurrency 8 one drafting request slowed every row's
-        # step by ~20 % at equal priority, docs/benchmarks.md). The synthetic
-        # draft, which stands for separate hardware, keeps equal priority.
-        niced = (["nice", "-n", str(DRAFT_NICENESS)]
-                 if draft_cpus is not None and self.synthetic is None else [])
         self.draft_process = subprocess.Popen(
-            niced + [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
+            [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
              "--port", str(control_port), "--seed", str(self.settings.seed),
              "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
             + (["--max-model-len", str(self.settings.max_model_len)]
