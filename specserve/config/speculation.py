@@ -62,12 +62,12 @@ class SpeculationConfig(_Strict):
         None, ge=1, le=64,
         description="Tokens a branch continues past its alternative token. Null: K.")
     release_after_steps: int = Field(
-        8, ge=0, le=1024,
+        0, ge=0, le=1024,
         description="The target gives a request's drafts up once this many of its steps in a "
                     "row found none (after the bounded wait): the draft stops drafting it and "
-                    "the target decodes it on alone. Drafts that late cannot be verified, and "
-                    "drafting them takes the draft's time from requests it keeps up with. "
-                    "0: never.")
+                    "the target decodes it on alone. 0 (the default): never. Off by default "
+                    "because a draft pool that sheds its late requests no longer looks late "
+                    "to its autoscaler.")
     max_wait_ms: float = Field(
         50.0, ge=0.0, le=250.0,
         description="Upper bound on the bounded wait: after a rejection with no matching "
