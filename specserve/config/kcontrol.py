@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specserve.config.base import _Strict
 
@@ -18,8 +18,13 @@ class KControlConfig(_Strict):
         4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
                              "than min_drafted_tokens (drafts that never arrive in time).")
     probe_every: int = Field(
-        16, ge=1, description="When no pool's K is above 0, every this many requests one pool "
-                              "runs at full K, so that a recovery is noticed.")
+        16, ge=1, description="When no pool's K is above 0, a pool gets one request at full K "
+                              "(a probe) this many requests after its last at K > 0, so that a "
+                              "recovery is noticed; twice as long after each probe that did "
+                              "not bring it back.")
+    max_probe_every: int = Field(
+        256, ge=1, description="The longest gap between probes (requests); at least "
+                               "probe_every.")
     margin: float = Field(
         0.03, ge=0, description="With measured step costs, speculate only when the predicted "
                                 "rate beats K=0 by this share (0.03: 3 %).")
@@ -28,4 +33,11 @@ class KControlConfig(_Strict):
         from specserve.control.policy import Thresholds
 
         return Thresholds(self.min_drafted_tokens, self.min_requests, self.probe_every,
-                          self.margin)
+                          self.margin, self.max_probe_every)
+
+    @model_validator(mode="after")
+    def _gaps(self):
+        if self.max_probe_every < self.probe_every:
+            raise ValueError(f"max_probe_every ({self.max_probe_every}) must be at least "
+                             f"probe_every ({self.probe_every})")
+        return self

@@ -1,8 +1,9 @@
 """The K controller: which draft pool and how many drafted tokens (K) for the next request.
 
 A small stateful object around the pure policy (`specserve.control.policy`):
-it keeps the turn counter (for measuring fresh pools in turn and probing pools
-held at K = 0), the last choice and the inputs it decided with (shown in
+it keeps the turn counter (for measuring fresh pools in turn), how long each
+pool has been held at K = 0 and how often it was probed since (for spacing
+its probes), the last choice and the inputs it decided with (shown in
 /v1/spec/stats). The Serve router and `LocalSpec` (`specserve generate`, the
 bench's `specserve` system, the GPU check) both decide with one of these, so
 the same figures give the same decision everywhere.
@@ -33,6 +34,10 @@ class KController:
         self.last: policy.Choice | None = None
         self.inputs: dict = {}
         self.current_k: dict[str, int] = {}
+        # per pool: requests since it last ran one at K > 0, and the probes since
+        # its figures last gave it K > 0 (policy.probe_gap spaces the probes).
+        self.idle: dict[str, int] = {name: 0 for name in self.pools}
+        self.probes: dict[str, int] = {name: 0 for name in self.pools}
         self.decisions: collections.Counter = collections.Counter()
 
     def choose(self, figures: dict[str, Figures], inflight: dict[str | None, int], load: float,
@@ -49,11 +54,17 @@ class KController:
             f = figures.get(name) or Figures()
             views.append(policy.PoolView(
                 name=name, draft_tokens=f.draft_tokens, alpha=f.alpha, coverage=f.coverage,
-                requests=f.requests, inflight=inflight.get(name, 0), replicas=replicas))
+                requests=f.requests, inflight=inflight.get(name, 0), replicas=replicas,
+                idle=self.idle.get(name, 0), probes=self.probes.get(name, 0)))
         if cost is None:
             rows = 1.0
         choice = policy.choose(views, self.k_max, load, self.turn, cost, rows, th)
         self.turn += 1
+        for name in self.idle:
+            self.idle[name] += 1
+        if choice.pool is not None and choice.k > 0:
+            self.idle[choice.pool] = 0
+            self.probes[choice.pool] = self.probes.get(choice.pool, 0) + 1 if choice.probe else 0
         per_pool = {}
         for v in views:  # the K each pool would get now (shown in the stats)
             k = policy.pool_k(v, self.k_max, load, cost, rows, th)

@@ -48,8 +48,9 @@ class Thresholds:
 
     min_drafted_tokens: int = 64  # drafted tokens before a pool's acceptance is trusted ...
     min_requests: int = 4  # ... unless this many requests went to it and drafted little
-    probe_every: int = 16  # a pool held at K=0 is re-measured this often
+    probe_every: int = 16  # a pool held at K=0 is re-measured this many requests after its last at K>0,
     margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
+    max_probe_every: int = 256  # ... twice as long after each probe that did not pay, up to this
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -123,6 +124,17 @@ class PoolView:
     requests: int  # routed so far
     inflight: int  # requests using it now
     replicas: int = 1
+    idle: int = 0  # requests routed since this pool last ran one at K > 0
+    probes: int = 0  # probes since its figures last gave it K > 0
+
+
+def probe_gap(probes: int, th: Thresholds = Thresholds()) -> int:
+    """Requests between a pool's last request at K > 0 and its next probe, while
+    its figures hold it at K = 0: th.probe_every, doubled by each probe that did
+    not bring it back (`probes`), at most th.max_probe_every. A draft that does
+    not pay is thus re-measured ever more rarely (at most 1/max_probe_every of
+    the requests once it has failed a few probes) and a recovery is still seen."""
+    return min(th.probe_every << min(max(probes, 0), 30), max(th.max_probe_every, th.probe_every))
 
 
 def is_fresh(p: PoolView, th: Thresholds = Thresholds()) -> bool:
@@ -152,6 +164,7 @@ class Choice:
     pool: str | None
     k: int
     reason: str
+    probe: bool = False  # a pool held at K = 0, re-measured
 
 
 def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
@@ -163,9 +176,10 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
     at full K. Otherwise the pool with the best predicted speedup (its
     acceptance and coverage against the target's step cost), discounted by how
     busy its replicas are, wins, with its own K. When no pool's K is above 0,
-    one pool gets a probe at full K every th.probe_every turns so that a recovery
-    (better acceptance or coverage, lighter load) is noticed; when not even a
-    perfect draft would pay (saturated target), nobody speculates.
+    a pool idle for `probe_gap` requests gets a probe at full K (the longest
+    idle first) so that a recovery (better acceptance or coverage, lighter
+    load) is noticed; when not even a perfect draft would pay (saturated
+    target), nobody speculates.
     """
     if not pools or k_max <= 0:
         return Choice(None, 0, "no draft pools")
@@ -188,9 +202,11 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
                       f"coverage {best.coverage:.2f}, {how} -> K={k}")
     if choose_k(1.0, k_max, load, cost, rows) == 0:
         return Choice(None, 0, f"target saturated ({how}): no speculation")
-    if turn % th.probe_every == 0:
-        p = pools[(turn // th.probe_every) % len(pools)]
-        return Choice(p.name, k_max, f"probing {p.name} (speculation did not pay; {how})")
+    due = [p for p in pools if p.idle >= probe_gap(p.probes, th)]
+    if due:
+        p = max(due, key=lambda p: p.idle)
+        return Choice(p.name, k_max, f"probing {p.name} after {p.idle} requests at K=0 "
+                                     f"(speculation did not pay; {how})", probe=True)
     return Choice(None, 0, f"no pool's acceptance and coverage pay for speculation ({how})")
 
 

@@ -75,8 +75,13 @@ def test_cheap_verification_and_good_draft_speculate():
 def test_poor_draft_or_costly_verification_gives_k0_with_probes():
     poor = KController(4, {POOL: 1}, Thresholds(probe_every=8))
     cost, f = fitted(a=0.020, b=0.0005).cost(), figures(alpha=0.02)
-    ks = [choose(poor, f, cost).k for _ in range(32)]
-    assert ks.count(0) == 28 and ks.count(4) == 4  # probes only
+    ks = [choose(poor, f, cost).k for _ in range(128)]
+    # Probes only, ever more rarely: 8 requests after the start, then 16, 32, 64 after each.
+    assert [i for i, k in enumerate(ks) if k] == [8, 25, 58, 123]
+    assert poor.probes[POOL] == 4 and poor.idle[POOL] == 127 - 123
+    # Once its figures pay again, the gaps start over.
+    assert choose(poor, figures(alpha=0.8), fitted(a=0.020, b=0.0001).cost()).k == 4
+    assert poor.probes[POOL] == 0 and poor.idle[POOL] == 0
     # A good draft on an engine where each verified token costs a full step.
     costly = KController(4, {POOL: 1}, Thresholds(probe_every=1000))
     costly.turn = 1
@@ -124,3 +129,9 @@ def test_thresholds_come_from_the_config():
     cfg = AppConfig.from_dict({"speculation": {"k_control": {"probe_every": 5, "margin": 0.1}}})
     th = cfg.speculation.k_control.thresholds()
     assert th == Thresholds(min_drafted_tokens=64, min_requests=4, probe_every=5, margin=0.1)
+    cfg = AppConfig.from_dict({"speculation": {"k_control": {"probe_every": 5,
+                                                             "max_probe_every": 40}}})
+    assert cfg.speculation.k_control.thresholds().max_probe_every == 40
+    with pytest.raises(ValueError, match=r"max_probe_every \(4\) must be at least probe_every \(5\)"):
+        AppConfig.from_dict({"speculation": {"k_control": {"probe_every": 5,
+                                                           "max_probe_every": 4}}})

@@ -1,10 +1,12 @@
 """The speculation policies alone: K control and the choice of draft pool."""
 
+import dataclasses
+
 import pytest
 
 from specserve.control.policy import (
     PoolView, Thresholds, StepCost, choose, choose_k, expected_tokens,
-    modelled_cost, pool_k, predicted_rate, speedup,
+    modelled_cost, pool_k, predicted_rate, probe_gap, speedup,
 )
 
 TH = Thresholds()
@@ -56,10 +58,25 @@ def test_the_better_pool_wins_and_a_bad_pool_gets_k_0():
 
 
 def test_low_acceptance_everywhere_serves_target_only_but_probes():
-    pools = [pool("x", 0.02), pool("y", 0.03)]
-    picks = [choose(pools, 4, 0.0, t) for t in range(1, 2 * PROBE_EVERY + 1)]
-    assert sum(c.pool is not None for c in picks) == 2  # one probe per PROBE_EVERY turns
-    assert all(c.k == 0 for c in picks if c.pool is None)
+    def views(idle_x, idle_y, probes=0):
+        return [dataclasses.replace(pool("x", 0.02), idle=idle_x, probes=probes),
+                dataclasses.replace(pool("y", 0.03), idle=idle_y, probes=probes)]
+
+    quiet = choose(views(PROBE_EVERY - 1, 3), 4, 0.0, turn=7)
+    assert quiet.pool is None and quiet.k == 0 and not quiet.probe
+    # Due after PROBE_EVERY requests at K = 0; the longest idle pool first.
+    c = choose(views(PROBE_EVERY, PROBE_EVERY + 2), 4, 0.0, turn=7)
+    assert (c.pool, c.k, c.probe) == ("y", 4, True)
+    # After a probe that did not pay, twice as long.
+    assert choose(views(PROBE_EVERY, PROBE_EVERY, probes=1), 4, 0.0, 7).pool is None
+    assert choose(views(2 * PROBE_EVERY, 0, probes=1), 4, 0.0, 7).pool == "x"
+
+
+def test_probe_gap_doubles_up_to_its_cap():
+    assert [probe_gap(n) for n in range(6)] == [16, 32, 64, 128, 256, 256]
+    assert probe_gap(10 ** 6) == TH.max_probe_every
+    th = Thresholds(probe_every=5, max_probe_every=3)  # a cap below the gap: the gap
+    assert probe_gap(0, th) == probe_gap(4, th) == 5
 
 
 def test_saturated_target_gets_no_speculation_and_no_pools_means_none():
@@ -113,9 +130,11 @@ def test_router_choice_uses_measured_cost_and_coverage_and_probes():
     default = PoolView("default", 5000, 0.30, 0.12, requests=100, inflight=0)
     # The modelled cost (5% of a step per token) says speculate; the measured one says no.
     assert pool_k(default, 4, 0.0) > 0 and pool_k(default, 4, 0.0, cpu, 1) == 0
-    picks = [choose([default], 4, 0.0, t, cost=cpu, rows=1) for t in range(1, 2 * PROBE_EVERY + 1)]
+    picks = [choose([dataclasses.replace(default, idle=t)], 4, 0.0, t, cost=cpu, rows=1)
+             for t in range(1, 2 * PROBE_EVERY + 1)]
     probes = [c for c in picks if c.pool is not None]
-    assert len(probes) == 2 and all(c.k == 4 for c in probes)  # re-measured, at full K
+    assert len(probes) == PROBE_EVERY + 1 and all(c.k == 4 and c.probe for c in probes)
+    assert "ms/token" in probes[0].reason  # re-measured, at full K, once due
     assert all(c.k == 0 and "ms/token" in c.reason for c in picks if c.pool is None)
     good = PoolView("good", 5000, 0.9, 0.9, requests=100, inflight=0)
     c = choose([default, good], 4, 0.0, 1, cost=cpu, rows=1)

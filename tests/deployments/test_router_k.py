@@ -51,9 +51,10 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         pool = r.controller.inputs["pools"]["smollm2-distill"]
         assert pool["alpha"] == pytest.approx(10 / 34) and pool["coverage"] == pytest.approx(0.12)
         assert pool["k"] == 0 and r.stats.current_k["smollm2-distill"] == 0, (first, pool)
-        # held at K=0, but probed at full K every PROBE_EVERY requests
-        probes = [c for c in picks if c.pool is not None]
-        assert len(probes) == 2 and all(c.k == 4 for c in probes)
+        # held at K=0, but probed at full K PROBE_EVERY requests after its last
+        # request at K > 0 (the first choice), then twice as long
+        assert [i for i, c in enumerate(picks) if c.pool is not None] == [PROBE_EVERY]
+        assert picks[PROBE_EVERY].k == 4 and picks[PROBE_EVERY].probe
         assert all(c.k == 0 for c in picks if c.pool is None)
         # an old copy is refreshed (in the background)
         r._cost = (r._cost[0] - COST_REFRESH_S, r._cost[1])
