@@ -17,6 +17,10 @@ class KControlConfig(_Strict):
     min_requests: int = Field(
         4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
                              "than min_drafted_tokens (drafts that never arrive in time).")
+    min_steps: int = Field(
+        32, ge=1, description="Target steps of a pool's finished requests after which it is "
+                              "judged even if it drafted fewer than min_drafted_tokens: its "
+                              "coverage over them is known (drafts that seldom arrive in time).")
     probe_every: int = Field(
         16, ge=1, description="When no pool's K is above 0, a pool gets one request at full K "
                               "(a probe) this many requests after its last at K > 0, so that a "
@@ -33,7 +37,7 @@ class KControlConfig(_Strict):
         from specserve.control.policy import Thresholds
 
         return Thresholds(self.min_drafted_tokens, self.min_requests, self.probe_every,
-                          self.margin, self.max_probe_every)
+                          self.margin, self.max_probe_every, self.min_steps)
 
     @model_validator(mode="after")
     def _gaps(self):

@@ -55,6 +55,7 @@ class KController:
             views.append(policy.PoolView(
                 name=name, draft_tokens=f.draft_tokens, alpha=f.alpha, coverage=f.coverage,
                 requests=f.requests, inflight=inflight.get(name, 0), replicas=replicas,
+                steps=f.steps,
                 idle=self.idle.get(name, 0), probes=self.probes.get(name, 0)))
         if cost is None:
             rows = 1.0

@@ -51,6 +51,7 @@ class Thresholds:
     probe_every: int = 16  # a pool held at K=0 is re-measured this many requests after its last at K>0,
     margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
     max_probe_every: int = 256  # ... twice as long after each probe that did not pay, up to this
+    min_steps: int = 32  # ... or once its requests took this many target steps (coverage known)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -123,6 +124,7 @@ class PoolView:
     coverage: float  # share of target steps that found this pool's drafts waiting
     requests: int  # routed so far
     inflight: int  # requests using it now
+    steps: int = 0  # target steps of its finished requests (what its coverage is over)
     replicas: int = 1
     idle: int = 0  # requests routed since this pool last ran one at K > 0
     probes: int = 0  # probes since its figures last gave it K > 0
@@ -138,9 +140,12 @@ def probe_gap(probes: int, th: Thresholds = Thresholds()) -> int:
 
 
 def is_fresh(p: PoolView, th: Thresholds = Thresholds()) -> bool:
-    """Too little measured to judge: a pool whose drafts never arrive in time
-    stops being fresh after th.min_requests requests (its coverage is then 0)."""
-    return p.draft_tokens < th.min_drafted_tokens and p.requests < th.min_requests
+    """Too little measured to judge. A pool whose drafts seldom arrive in time
+    drafts few tokens, so it is judged once its requests took th.min_steps
+    target steps (its coverage over them is known to within about ±0.09) or
+    after th.min_requests requests, whichever comes first."""
+    return (p.draft_tokens < th.min_drafted_tokens and p.requests < th.min_requests
+            and p.steps < th.min_steps)
 
 
 def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,

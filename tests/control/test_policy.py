@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from specserve.control.policy import (
-    PoolView, Thresholds, StepCost, choose, choose_k, expected_tokens,
+    PoolView, Thresholds, StepCost, choose, choose_k, expected_tokens, is_fresh,
     modelled_cost, pool_k, predicted_rate, probe_gap, speedup,
 )
 
@@ -47,6 +47,10 @@ def test_fresh_pools_are_measured_first_at_full_k():
     # A pool whose drafts never arrive stops being measured after a few requests.
     silent = PoolView("s", 0, 0.0, 0.0, requests=MIN_REQUESTS, inflight=0)
     assert choose([pool("a", 0.9), silent], 4, 0.0, turn=1).pool == "a"
+    # ... or sooner, once its requests took enough target steps to know its coverage.
+    late = PoolView("l", 3, 0.0, 0.02, requests=1, inflight=0, steps=TH.min_steps)
+    assert not is_fresh(late) and is_fresh(dataclasses.replace(late, steps=TH.min_steps - 1))
+    assert choose([late], 4, 0.0, turn=1).k == 0
 
 
 def test_the_better_pool_wins_and_a_bad_pool_gets_k_0():
