@@ -40,7 +40,8 @@ def app(tiny_models, tmp_path_factory):
     # Every request drafts at full K: this module checks the figures the page,
     # /metrics and Prometheus show, not the K choice (tests/deployments/test_serve.py),
     # which on a busy CPU may hold a slow draft at K = 0 and leave nothing to show.
-    config["speculation"]["k_control"] = {"min_drafted_tokens": 10**9, "min_requests": 10**9}
+    config["speculation"]["k_control"] = {"min_drafted_tokens": 10**9, "min_requests": 10**9,
+                                          "min_steps": 10**9}
     # The key from an environment variable, as the Helm chart passes its Secret.
     config["http"] = {"api_key_env": "SPECSERVE_TEST_API_KEY"}
     server = ServeProcess(config, tmp_path_factory.mktemp("dashboard"),
