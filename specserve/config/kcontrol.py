@@ -36,8 +36,10 @@ class KControlConfig(_Strict):
     def thresholds(self):
         from specserve.control.policy import Thresholds
 
-        return Thresholds(self.min_drafted_tokens, self.min_requests, self.probe_every,
-                          self.margin, self.max_probe_every, self.min_steps)
+        return Thresholds(min_drafted_tokens=self.min_drafted_tokens,
+                          min_requests=self.min_requests, min_steps=self.min_steps,
+                          probe_every=self.probe_every, max_probe_every=self.max_probe_every,
+                          margin=self.margin)
 
     @model_validator(mode="after")
     def _gaps(self):

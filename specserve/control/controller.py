@@ -56,7 +56,7 @@ class KController:
                 name=name, draft_tokens=f.draft_tokens, alpha=f.alpha, coverage=f.coverage,
                 requests=f.requests, inflight=inflight.get(name, 0), replicas=replicas,
                 steps=f.steps,
-                idle=self.idle.get(name, 0), probes=self.probes.get(name, 0)))
+                idle=self.idle[name], probes=self.probes[name]))
         if cost is None:
             rows = 1.0
         choice = policy.choose(views, self.k_max, load, self.turn, cost, rows, th)
@@ -65,7 +65,7 @@ class KController:
             self.idle[name] += 1
         if choice.pool is not None and choice.k > 0:
             self.idle[choice.pool] = 0
-            self.probes[choice.pool] = self.probes.get(choice.pool, 0) + 1 if choice.probe else 0
+            self.probes[choice.pool] = self.probes[choice.pool] + 1 if choice.probe else 0
         per_pool = {}
         for v in views:  # the K each pool would get now (shown in the stats)
             k = policy.pool_k(v, self.k_max, load, cost, rows, th)

@@ -48,10 +48,10 @@ class Thresholds:
 
     min_drafted_tokens: int = 64  # drafted tokens before a pool's acceptance is trusted ...
     min_requests: int = 4  # ... unless this many requests went to it and drafted little
+    min_steps: int = 32  # ... or its requests took this many target steps (coverage known)
     probe_every: int = 16  # a pool held at K=0 is re-measured this many requests after its last at K>0,
-    margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
     max_probe_every: int = 256  # ... twice as long after each probe that did not pay, up to this
-    min_steps: int = 32  # ... or once its requests took this many target steps (coverage known)
+    margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
 
 
 def expected_tokens(alpha: float, k: int) -> float:
