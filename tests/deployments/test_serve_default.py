@@ -2,6 +2,7 @@
 CPU), exercised with the README's own curl and openai examples."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,11 +24,26 @@ def readme_block(lang: str, needle: str) -> str:
     return found[0]
 
 
+def target_engine_processes() -> list:
+    """The target replica's process and its vLLM engine processes (this machine)."""
+    import psutil
+
+    replicas = [p for p in psutil.process_iter(["cmdline"])
+                if "ServeReplica:specserve:target" in " ".join(p.info["cmdline"] or [])]
+    return [q for p in replicas for q in [p, *p.children(recursive=True)]]
+
+
 def test_default_app_answers_the_readme_examples(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     server = ServeProcess(None, tmp_path)
     try:
         server.wait_ready("SmolLM2-135M-Instruct", timeout=900)
+        # At this process's own priority: Ray would start them 15 lower, under
+        # every other process here (specserve.placement.RAY_NODE_ENV).
+        engine = target_engine_processes()
+        assert any("VLLM" in p.name() for p in engine), [p.name() for p in engine]
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert {p.name(): p.nice() for p in engine} == {p.name(): ours for p in engine}
         curl = readme_block("sh", "curl http").replace("8000", str(server.port))
         out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr

@@ -335,6 +335,18 @@ def _pods(rs: dict) -> list[dict]:
     return [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
 
 
+def test_every_pod_starts_ray_with_the_node_environment():
+    """The engines run at the pod's priority, not Ray's worker nice 15
+    (specserve.placement.RAY_NODE_ENV, which `specserve serve` sets too)."""
+    from specserve.placement import RAY_NODE_ENV
+
+    for values in (None, gpu_values()):
+        rs = render(values)["RayService"]
+        for pod in _pods(rs):
+            env = {e["name"]: e.get("value") for e in container(pod)["env"]}
+            assert {k: env.get(k) for k in RAY_NODE_ENV} == RAY_NODE_ENV
+
+
 @pytest.mark.parametrize("api_key", [{"existingSecret": "my-key", "secretKey": "token"},
                                      {"value": "k3y-s3cret"}])
 def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch):

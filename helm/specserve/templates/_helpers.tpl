@@ -165,8 +165,10 @@ applications:
       containerPort: {{ ($.Values.specserve.http | default dict).port | default 8000 | int }}
     - {name: metrics, containerPort: 8080}
   {{- $secret := include "specserve.apiKeySecret" $ }}
-  {{- if or $g.env $secret }}
   env:
+    # Ray would start its workers (the Serve replicas and their vLLM engines) at
+    # nice 15, under every other process in the pod (specserve.placement.RAY_NODE_ENV).
+    - {name: RAY_worker_niceness, value: "0"}
     {{- with $g.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -176,7 +178,6 @@ applications:
       valueFrom:
         secretKeyRef: {name: {{ $secret }}, key: {{ $.Values.apiKey.secretKey }}}
     {{- end }}
-  {{- end }}
   {{- with $g.envFrom }}
   envFrom:
     {{- toYaml . | nindent 4 }}
