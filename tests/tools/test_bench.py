@@ -95,6 +95,30 @@ def test_category_rows_and_pooling():
     assert pooled["output_tokens"] == 44 and pooled["output_tokens_per_s"] == pytest.approx(44 / 6)
 
 
+def test_each_rounds_ratios_beside_the_pooled_ones():
+    def row(system, wall):  # 22 tokens in `wall` seconds
+        return report.summarize(system, 1, None, 0, [result(11, 0, 0.1, 1.1)] * 2, wall, None,
+                                False)
+
+    rounds = [[row("vllm_serve", 2.0), row("specserve_http", 2.5)],
+              [row("vllm_serve", 2.0), row("specserve_http", 2.0)]]
+    per = report.round_ratios(rounds)
+    assert per[("specserve_http", None, 1)]["speedup_vs_vllm_serve"] == pytest.approx([0.8, 1.0])
+    assert per[("vllm_serve", None, 1)]["speedup_vs_target_only"] == [None, None]
+    assert rounds[0][1].get("speedup_vs_vllm_serve") is None  # the rounds' rows are untouched
+    pooled = [report.pool([a, b]) for a, b in zip(*rounds)]
+    report.add_comparisons(pooled)
+    assert pooled[1]["speedup_vs_vllm_serve"] == pytest.approx(44 / 4.5 / 11)
+    for r in pooled:
+        for k, v in per[(r["system"], r["alpha"], r["concurrency"])].items():
+            r[f"{k}_rounds"] = v
+    text = report.markdown({"results": pooled, "by_category": [], "notes": [],
+                            "greedy_mismatches": []})
+    section = text.split("Each round alone")[1]
+    assert "| specserve_http | – | 1 | – | 0.80 / 1.00 | – |" in section
+    assert "| vllm_serve | – | 1 | – | 1.00 / 1.00 | – |" in section
+
+
 def test_markdown_lists_every_row():
     rows = [report.summarize(s, 1, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(), s != "target_only")
             for s, a in [("target_only", None), ("specserve", None), ("specserve_synthetic", 0.8)]]

@@ -110,6 +110,28 @@ def add_comparisons(rows: list[dict]) -> None:
                                                        r["colocated_bound"])
 
 
+# The comparisons whose value in each round alone a pooled row also carries.
+ROUND_RATIOS = ("speedup_vs_target_only", "speedup_vs_vllm_serve", "share_of_ideal")
+
+
+def round_ratios(rounds: list[list[dict]]) -> dict[tuple, dict[str, list]]:
+    """The comparisons of each round alone: rounds[i] holds round i's rows (one per
+    (system, alpha, concurrency)); returns, per such key, ROUND_RATIOS -> the
+    list of that ratio in round 1, 2, ... (None where a round lacks it). One
+    quick level varies by several per cent from round to round on a small
+    machine: this shows how far, next to the pooled figure."""
+    out: dict[tuple, dict[str, list]] = {}
+    for rows in rounds:
+        rows = [dict(r) for r in rows]
+        add_comparisons(rows)
+        for r in rows:
+            key = (r["system"], r["alpha"], r["concurrency"])
+            per = out.setdefault(key, {k: [] for k in ROUND_RATIOS})
+            for k in ROUND_RATIOS:
+                per[k].append(r.get(k))
+    return out
+
+
 def pool(rounds: list[dict]) -> dict:
     """Rows of the same (system, concurrency, alpha) from several rounds -> one
     row: sums for counts, token-weighted means for rates and latencies."""
@@ -190,6 +212,21 @@ def markdown(report: dict) -> str:
     rows = sorted(report["results"], key=lambda r: (r["concurrency"], SYSTEMS.index(r["system"]),
                                                     r["alpha"] or 0))
     parts = [benchstats.markdown_table(rows, TABLE)]
+    spread = [r for r in rows if any(len([v for v in r.get(f"{k}_rounds") or [] if v is not None])
+                                     > 1 for k in ROUND_RATIOS)]
+    if spread:
+        def per_round(values: list) -> str | None:
+            if not any(v is not None for v in values):
+                return None
+            return " / ".join(benchstats.fmt(v) for v in values)
+
+        cells = [{**r, **{k: per_round(r.get(f"{k}_rounds") or []) for k in ROUND_RATIOS}}
+                 for r in spread]
+        parts.append("\nEach round alone (round 1 / round 2 / ...):\n\n" + benchstats.markdown_table(
+            cells, [("system", "system"), ("alpha", "α"), ("concurrency", "C"),
+                    ("speedup_vs_target_only", "× target_only"),
+                    ("speedup_vs_vllm_serve", "× vllm_serve"),
+                    ("share_of_ideal", "share of ideal")]))
     cats = sorted(report["by_category"], key=lambda r: (r["concurrency"], r["category"],
                                                         SYSTEMS.index(r["system"]),
                                                         r["alpha"] or 0))

@@ -46,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.tools.bench.backends import RequestResult, build_backends
-from specserve.tools.bench.report import add_comparisons, category_rows, pool, summarize
+from specserve.tools.bench.report import (add_comparisons, category_rows, pool, round_ratios,
+                                          summarize)
 from specserve.tools.bench.workload import (SAMPLE_PROMPTS, SYSTEMS, BenchArgs, Prompt,
                                             parse_prompts, select_prompts)
 
@@ -204,6 +205,11 @@ async def run_bench(a: BenchArgs, workdir: Path) -> dict:
                                     []).append(r)
     rows = [pool(v) for v in all_rows.values()]
     add_comparisons(rows)
+    if a.rounds > 1:  # each comparison in each round alone, beside the pooled one
+        per_round = round_ratios([[v[i] for v in all_rows.values()] for i in range(a.rounds)])
+        for r in rows:
+            for k, values in per_round[(r["system"], r["alpha"], r["concurrency"])].items():
+                r[f"{k}_rounds"] = values
     cats = [v[-1] for v in all_cats.values()]
     return {
         "results": rows,
