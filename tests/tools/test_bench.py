@@ -236,6 +236,54 @@ def test_run_system_rows_and_the_greedy_check(tmp_path):
     assert bad[0]["got"][-1] == bad[0]["want"][-1] + 1
 
 
+class FakeHttpBackend(FakeBackend):
+    """An HTTP system: text only, no token ids."""
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def generate(self, p, params):
+        r = await super().generate(p, params)
+        return RequestResult(p, None, " ".join(map(str, r.token_ids)), r.output_tokens,
+                             r.start, r.first, r.end)
+
+
+def test_without_target_only_greedy_texts_are_checked_against_the_first_system(
+        tmp_path, monkeypatch):
+    import asyncio
+
+    import transformers
+
+    prompts = [Prompt(str(i), "ab"[i % 2], "t", [i + 1, i + 2]) for i in range(4)]
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: object())
+    monkeypatch.setattr(run, "load_workload", lambda a, tokenizer, max_len: (prompts, 0))
+    started = []
+
+    def backend(system, **kw):
+        started.append(system)
+        return FakeHttpBackend(system, **kw)
+
+    monkeypatch.setattr(run, "build_backends", lambda a, replay, workdir: [
+        ("vllm_serve", None, lambda: backend("vllm_serve")),
+        ("specserve_http", None, lambda: backend("specserve_http", wrong=True))])
+    a = workload.BenchArgs(target="t", draft="d", prompts_file=tmp_path, num_prompts=4,
+                           max_tokens=6, temperature=0.0, concurrency=[1, 2], alphas=[], k=4,
+                           systems=["vllm_serve", "specserve_http"], rounds=2)
+    out = asyncio.run(run.run_bench(a, tmp_path))
+    assert "greedy outputs compared with vllm_serve's (target_only not run)" in out["notes"]
+    # The second round runs the systems in reverse order (the reference is kept).
+    assert started == ["vllm_serve", "specserve_http", "specserve_http", "vllm_serve"]
+    bad = out["greedy_mismatches"]
+    assert {m["system"] for m in bad} == {"specserve_http"} and len(bad) == 2 * 2 * 4
+    assert bad[0]["got"] != bad[0]["want"] and isinstance(bad[0]["want"], str)
+    rows = {(r["system"], r["concurrency"]): r for r in out["results"]}
+    assert rows[("specserve_http", 2)]["speedup_vs_vllm_serve_rounds"][1] is not None
+
+
 def test_json_and_png_written(tmp_path):
     rows = [report.summarize(s, c, a, 4, [result(3, 0, 0.1, 0.3)], 1.0, Counters(),
                              s != "target_only")

