@@ -78,7 +78,13 @@ def specserve_server(tiny_models, tmp_path_factory):
                    "tool_call_parser": TOOL_PARSER},
         "drafts": [{"name": "same", "model": str(tiny_models["target"]),
                     "resources": {"cpus_per_worker": 0.25}, "engine": engine}],
-        "speculation": {"num_speculative_tokens": 4},
+        # Every request drafts at full K, so every answer compared here went
+        # through speculative decoding: the K choice (tests/deployments/test_serve.py)
+        # may hold the draft at K = 0 on a busy CPU, and test_drafts_were_used
+        # failed so once in a full run.
+        "speculation": {"num_speculative_tokens": 4,
+                        "k_control": {"min_drafted_tokens": 10**9, "min_requests": 10**9,
+                                      "min_steps": 10**9}},
         "ray": {"num_cpus": 4},
     }
     server = ServeProcess(config, tmp_path_factory.mktemp("serve"),
