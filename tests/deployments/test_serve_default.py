@@ -43,7 +43,7 @@ def test_default_app_answers_the_readme_examples(tmp_path, monkeypatch):
         engine = target_engine_processes()
         assert any("VLLM" in p.name() for p in engine), [p.name() for p in engine]
         ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert {p.name(): p.nice() for p in engine} == {p.name(): ours for p in engine}
+        assert [(p.name(), p.nice()) for p in engine] == [(p.name(), ours) for p in engine]
         curl = readme_block("sh", "curl http").replace("8000", str(server.port))
         out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr

