@@ -3,10 +3,12 @@ helper that runs the real `specserve generate` CLI in a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,22 @@ def reference(tiny_models) -> list[list[int]]:
 from specserve.testing import slow_target  # noqa: E402
 
 SLOW_TARGET_ENV = slow_target.env(25)
+
+
+class Loop:
+    """An asyncio loop on a thread, so sync tests can drive async engines."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=600):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None):

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import PROMPTS, SLOW_TARGET_ENV
+from conftest import PROMPTS, SLOW_TARGET_ENV, Loop
 from specserve.target.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
 from specserve.v1 import spec_pb2, spec_pb2_grpc
@@ -27,22 +27,6 @@ from specserve.v1 import spec_pb2, spec_pb2_grpc
 pytestmark = pytest.mark.slow
 
 LONG = 160  # tokens per request in the kill test: long enough to kill mid-way
-
-
-class Loop:
-    """An asyncio loop on a thread, so sync tests can drive async engines."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=600):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")

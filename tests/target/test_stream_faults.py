@@ -16,7 +16,7 @@ import threading
 import grpc
 import pytest
 
-from conftest import PROMPTS, SLOW_TARGET_ENV
+from conftest import PROMPTS, SLOW_TARGET_ENV, Loop
 from specserve.target.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
 from specserve.testing.certs import SERVER_NAME, make_pki
@@ -101,16 +101,6 @@ class TroubleProxy:
         self.thread.join(5)
 
 
-class Loop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=600):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_models, tmp_path_factory):
     """A LocalSpec with draft = target over mutual TLS, and the long reference."""
@@ -131,7 +121,7 @@ def setup(tiny_models, tmp_path_factory):
                "reference": greedy_reference(target, PROMPTS, LONG)}
     finally:
         loop.run(spec.aclose())
-        loop.loop.call_soon_threadsafe(loop.loop.stop)
+        loop.close()
         for var in SLOW_TARGET_ENV:
             os.environ.pop(var, None)
 
