@@ -259,10 +259,23 @@ def fan_out(alpha: float, positions: int, budget: int, max_fan_out: int,
 
 
 MAX_WAIT_S = 0.25  # no configuration waits longer than this per step
+# The share of bounded waits whose rows should all have their fresh drafts by
+# the deadline (see round_trip_percentile).
+WAIT_ALL_IN = 0.9
 # A wait is decided afresh each step and is bounded, so it only has to beat the
 # noise of the step estimates, not the K controller's margin (which guards a
 # decision held for whole requests).
 WAIT_MARGIN = 0.01
+
+
+def round_trip_percentile(waiting_rows: int, all_in: float = WAIT_ALL_IN) -> float:
+    """The percentile of the draft's recent round trips to take as the deadline
+    of a wait for `waiting_rows` rows, so that all of them are in by then with
+    probability `all_in` (round trips taken as independent): 100 · all_in^(1/m).
+    One row: the 90th percentile; eight: the 98.7th. A wait ends as soon as the
+    drafts are in, so the later deadline costs only when drafts are late."""
+    m = max(waiting_rows, 1)
+    return 100.0 * all_in ** (1.0 / m)
 
 
 def wait_bound(alpha: float, k: int, rows: int, waiting_rows: int, step_s: float,

@@ -44,10 +44,10 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 << 20
 DRAFT_NAME_KEY = "x-specserve-draft"  # call metadata: "model/replica" of a draft
 EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
-# The wait's deadline is this percentile of the draft's recent round trips
-# (verified update out -> first fresh drafts): a wait ends as soon as the drafts
-# are in, so a deadline at the mean would give up on half of them.
-ROUND_TRIP_PERCENTILE = 90
+# The wait's deadline is a high percentile of the draft's recent round trips
+# (verified update out -> first fresh drafts), higher the more rows wait
+# (policy.round_trip_percentile): a wait ends as soon as the drafts are in, so a
+# deadline at the mean would give up on half of them.
 ROUND_TRIP_SAMPLES = 64
 COST_REFIT = 16  # steady steps between two fits of the verify step's cost
 
@@ -217,8 +217,9 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
                                  self._step_s, d, cost=self._cost, coverage=coverage,
                                  max_wait_s=self.max_wait_s,
-                                 first_token_s=percentile(self._round_trips,
-                                                          ROUND_TRIP_PERCENTILE))
+                                 first_token_s=percentile(
+                                     self._round_trips,
+                                     policy.round_trip_percentile(waiting_rows)))
 
     def _wait(self, histories, misses, k: int, deadline: float) -> dict[int, list[int]]:
         keys = [key for _, key in misses]

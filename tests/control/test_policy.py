@@ -189,6 +189,19 @@ def test_wait_bound_is_zero_when_waiting_does_not_pay_and_never_unbounded():
     assert wait_bound(0.99, 16, 1, 1, 10.0, 0.001, max_wait_s=0.05) <= 0.05
 
 
+def test_the_wait_deadline_percentile_rises_with_the_rows_waiting():
+    from specserve.control.policy import round_trip_percentile
+
+    assert round_trip_percentile(1) == 90.0
+    assert round_trip_percentile(0) == 90.0  # no row: as for one
+    # m independent round trips all under the q-th percentile: (q/100)^m = 0.9.
+    for m in (2, 4, 8):
+        assert abs((round_trip_percentile(m) / 100.0) ** m - 0.9) < 1e-12
+    qs = [round_trip_percentile(m) for m in (1, 2, 4, 8, 64)]
+    assert qs == sorted(qs) and qs[-1] < 100.0
+    assert round_trip_percentile(3, all_in=0.5) < round_trip_percentile(3)
+
+
 def test_wait_bound_counts_the_round_trip_to_the_first_fresh_draft():
     from specserve.control.policy import wait_bound
 

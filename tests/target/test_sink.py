@@ -440,6 +440,9 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
         sink._draft_token_s = 0.0
         sink._round_trips.extend([0.002] * 8 + [0.006, 0.010])
         assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == pytest.approx(0.0064)
+        # Two rows waiting: the percentile at which both are in 9 times in 10
+        # (100 * 0.9 ** 0.5 = 94.87th: 0.006 + 0.004 * 0.538).
+        assert sink.wait_bound(rows=2, waiting_rows=2, k=3) == pytest.approx(0.00815, rel=1e-3)
         c.close()
     finally:
         sink.stop()
