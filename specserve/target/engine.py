@@ -172,6 +172,10 @@ def shutdown_engine(engine, procs, timeout: float = 15.0) -> None:
     import psutil
 
     engine.shutdown()
+    # AsyncLLM.__del__ calls shutdown() again; at interpreter exit that finds
+    # vLLM's module globals already None and prints a TypeError traceback.
+    # Once is enough: the instance's own attribute shadows the method.
+    engine.shutdown = lambda *args, **kwargs: None
     _, alive = psutil.wait_procs([p for p in procs if p.is_running()], timeout=timeout)
     for p in alive:
         log.warning("engine process %d did not exit; killing it", p.pid)

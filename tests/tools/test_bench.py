@@ -172,6 +172,9 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
     for s in workload.SYSTEMS:
         assert f"| {s} |" in proc.stdout
     assert "[bench" in proc.stderr  # progress went to stderr
+    # A run that succeeded says so without a traceback (vLLM's AsyncLLM.__del__
+    # printed one at exit: engine.shutdown_engine).
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 class FakeBackend:
