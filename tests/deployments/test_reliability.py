@@ -114,8 +114,9 @@ def events(response):
             return
 
 
-def read_stream(app, prompt, max_tokens, timeout=120):
-    """(text, error or None, saw [DONE]) of one streamed completion."""
+def read_stream(app, prompt, max_tokens, timeout=120, started=None):
+    """(text, error or None, saw [DONE]) of one streamed completion; sets the
+    threading.Event `started`, if given, when the first text arrives."""
     conn = open_stream(app, prompt, max_tokens, timeout)
     try:
         r = conn.getresponse()
@@ -129,6 +130,8 @@ def read_stream(app, prompt, max_tokens, timeout=120):
                 error = ev["error"]
             else:
                 text += ev["choices"][0]["text"]
+                if started is not None:
+                    started.set()
         return text, error, done
     finally:
         conn.close()
@@ -174,6 +177,19 @@ def wait_for(predicate, timeout, what, interval=1.0):
             return value
         time.sleep(interval)
     raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def start_streams(app, prompts, max_tokens, timeout=120):
+    """Streams on threads, returned (threads, results) once each has sent text,
+    so a fault injected next lands mid-stream on any machine (a fixed sleep
+    did not: on a fast one the streams had ended, on a slow one not begun)."""
+    started = [threading.Event() for _ in prompts]
+    threads, results = in_threads(read_stream, [(app, p, max_tokens, timeout, e)
+                                                for p, e in zip(prompts, started)])
+    deadline = time.monotonic() + timeout
+    for e in started:
+        assert e.wait(max(0.0, deadline - time.monotonic())), "a stream sent no text"
+    return threads, results
 
 
 def in_threads(fn, args_list):
@@ -346,9 +362,9 @@ def test_disconnected_clients_free_their_slots(app):
 def test_draft_replica_killed_mid_stream(app, expected):
     old_pid = replica_processes(app, "draft-same")[0].pid
     before = stats(app)
-    threads, results = in_threads(read_stream, [(app, PROMPTS[j], LONG) for j in range(4)])
-    time.sleep(1.5)  # the streams are running, drafts flowing
+    threads, results = start_streams(app, PROMPTS[:4], LONG)  # drafts flowing
     kill_replica(app, "draft-same")
+    assert any(t.is_alive() for t in threads), "every stream ended before the kill"
     for t in threads:
         t.join(180)
     assert not any(t.is_alive() for t in threads), "an in-flight request hangs"
@@ -373,12 +389,10 @@ def test_draft_replica_killed_mid_stream(app, expected):
 
 
 def test_target_replica_killed_mid_stream(app, expected):
-    streams, stream_results = in_threads(read_stream,
-                                         [(app, PROMPTS[j], LONG, 300) for j in range(3)])
     plain, plain_results = in_threads(
         lambda j: post(f"{app.url}/v1/completions", body(PROMPTS[j], LONG, stream=False),
                        timeout=300), [(j,) for j in range(2)])
-    time.sleep(1.5)
+    streams, stream_results = start_streams(app, PROMPTS[:3], LONG, 300)
     kill_replica(app, "target")
     killed_at = time.monotonic()
     # The router stays up and answers at once; its health says no target
