@@ -74,9 +74,11 @@ class DraftServer:
     def record_autoscaling_stats(self) -> dict:
         """Figures for specserve.control.autoscale.draft_policy (Serve calls this).
         active counts the requests the target gave up on this replica's drafts
-        (they came too late) as well: demand it could not serve, not idleness."""
+        (they came too late) as well: demand it could not serve, not idleness;
+        released counts those alone (coverage no longer sees them)."""
         coverage, lag = self.runner.timeliness()
-        return {"coverage": coverage, "lag": lag, "active": float(self.runner.assigned())}
+        return {"coverage": coverage, "lag": lag, "active": float(self.runner.assigned()),
+                "released": float(self.runner.released())}
 
     async def check_health(self) -> None:
         await self.worker.check_health()

@@ -65,9 +65,9 @@ class SpeculationConfig(_Strict):
         0, ge=0, le=1024,
         description="The target gives a request's drafts up once this many of its steps in a "
                     "row found none (after the bounded wait): the draft stops drafting it and "
-                    "the target decodes it on alone. 0 (the default): never. Off by default "
-                    "because a draft pool that sheds its late requests no longer looks late "
-                    "to its autoscaler.")
+                    "the target decodes it on alone (the draft autoscaler counts it as late). "
+                    "0 (the default): never; on the CPU bench it did not pay beyond noise "
+                    "(docs/benchmarks.md).")
     max_wait_ms: float = Field(
         50.0, ge=0.0, le=250.0,
         description="Upper bound on the bounded wait: after a rejection with no matching "

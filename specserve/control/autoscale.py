@@ -5,13 +5,15 @@ Decisions are pure functions of figures the replicas report through
 `record_autoscaling_stats` (averaged by Serve over its look-back window):
 - a draft replica reports `coverage` (share of the target's verified updates
   that found this replica's drafts already ahead), `lag` (tokens it was behind
-  the verified position when an update arrived) and `active` (requests it is
-  drafting);
+  the verified position when an update arrived), `active` (requests assigned
+  to it) and `released` (those of them the target gave up because their drafts
+  kept coming too late: they get no more updates, so `coverage` no longer sees
+  them, and the policy counts them as uncovered and late);
 - a target replica reports `load` (running requests / max_num_seqs) and
   `waiting` (its engine's queue).
 
 The draft pool grows while its drafts arrive late under load (low coverage with
-lag) and shrinks when idle; the target pool grows with queueing or full batches
+lag, or with released requests) and shrinks when idle; the target pool grows with queueing or full batches
 and shrinks when mostly empty. Bounds and delays come from the config (Serve
 applies upscale/downscale delays around these functions). Every decision is
 logged with its reason when it changes, exported as a gauge (one series per
@@ -47,17 +49,24 @@ def _clamp(n: int, lo: int, hi: int) -> int:
 
 
 def draft_pool(current: int, lo: int, hi: int, coverage: float | None, lag: float | None,
-               active: float | None) -> Decision:
-    """Replicas for a draft pool. active: mean active requests per replica."""
+               active: float | None, released: float | None = None) -> Decision:
+    """Replicas for a draft pool. Per replica, means: active, the requests
+    assigned; released, those of them the target gave up as late (None: 0)."""
     if active is None:
         return Decision(_clamp(current, lo, hi), "no figures yet")
     if active < 0.05:
         return Decision(_clamp(current - 1, lo, hi), f"idle (active {active:.2f} per replica)")
-    if (coverage is not None and lag is not None and active >= BUSY
-            and coverage < LOW_COVERAGE and lag >= LAG_TOKENS):
+    if coverage is None or lag is None or active < BUSY:
+        return Decision(_clamp(current, lo, hi), "keeping up")
+    # A released request's steps find no drafts at all, and its draft hears of
+    # them no more: its coverage is 0, and it was released for being late.
+    given_up = min(released or 0.0, active)
+    covered = coverage * (1.0 - given_up / active)
+    if covered < LOW_COVERAGE and (lag >= LAG_TOKENS or given_up > 0):
+        counted = f" counting {given_up:.1f} released as uncovered" if given_up else ""
         return Decision(_clamp(current + 1, lo, hi),
-                        f"drafts late under load (coverage {coverage:.2f} < {LOW_COVERAGE}, "
-                        f"lag {lag:.1f} tokens, active {active:.1f} per replica)")
+                        f"drafts late under load (coverage {covered:.2f} < {LOW_COVERAGE}"
+                        f"{counted}, lag {lag:.1f} tokens, active {active:.1f} per replica)")
     return Decision(_clamp(current, lo, hi), "keeping up")
 
 
@@ -113,7 +122,7 @@ def draft_policy(ctx):
     m = ctx.aggregated_metrics or {}
     d = draft_pool(ctx.current_num_replicas, ctx.capacity_adjusted_min_replicas,
                    ctx.capacity_adjusted_max_replicas, _mean(m.get("coverage")),
-                   _mean(m.get("lag")), _mean(m.get("active")))
+                   _mean(m.get("lag")), _mean(m.get("active")), _mean(m.get("released")))
     return _apply(ctx, d, ctx.deployment_name)
 
 

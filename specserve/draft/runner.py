@@ -319,6 +319,10 @@ class DraftRunner:
         """Requests started and not cancelled: being drafted, or released."""
         return len(self._requests) + len(self._released)
 
+    def released(self) -> int:
+        """Requests the sink gave up and the caller has not cancelled yet."""
+        return len(self._released)
+
     def sink_down_for(self, sink_address: str) -> float:
         """Seconds the stream to this sink has been broken (0 while it works)."""
         link = self._links.get(sink_address)

@@ -331,7 +331,7 @@ def test_a_request_the_sink_releases_stops_being_drafted():
         runner.release("r")
         await settle()
         assert link.closed == ["r"]
-        assert runner.active() == 1 and runner.assigned() == 2
+        assert runner.active() == 1 and runner.assigned() == 2 and runner.released() == 1
         assert runner.stats.released == 1
         sent = len(link.drafts)
         runner._on_verified("r", 2, expected([1, 2], 3)[2:])
@@ -341,7 +341,45 @@ def test_a_request_the_sink_releases_stops_being_drafted():
         runner.release("nope")
         assert runner.stats.released == 1
         assert runner.cancel("r") and runner.assigned() == 1 and not runner.cancel("r")
+        assert runner.released() == 0 and runner.stats.released == 1
         assert link.closed == ["r"]  # closed once
+        await runner.close()
+
+    asyncio.run(main())
+
+
+def test_released_requests_reach_the_draft_autoscaler_as_late():
+    """A replica's figures, as Serve hands them to the draft policy: requests
+    the sink released are reported, and counted as uncovered and late, though
+    the one request still drafted hears no update that finds it behind."""
+    from types import SimpleNamespace
+
+    from deployments.draft import DraftServer
+    from specserve.control.autoscale import draft_policy
+
+    def decide(figures):
+        ctx = SimpleNamespace(
+            aggregated_metrics={k: {"replica-1": v} for k, v in figures.items()},
+            current_num_replicas=1, capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=2, policy_state={}, deployment_name="draft-x")
+        return draft_policy(ctx)
+
+    async def main():
+        runner, _ = make()
+        server = DraftServer.__new__(DraftServer)  # its figures, without an engine
+        server.runner = runner
+        for rid in ("a", "b", "c"):
+            runner.start(rid, [1, 2], "sink:1", lookahead=5, max_tokens=100)
+        await settle()
+        figures = server.record_autoscaling_stats()
+        assert figures == {"coverage": 1.0, "lag": 0.0, "active": 3.0, "released": 0.0}
+        assert decide(figures)[1]["reason"] == "keeping up"
+        runner.release("a")
+        runner.release("b")
+        figures = server.record_autoscaling_stats()
+        assert figures["active"] == 3.0 and figures["released"] == 2.0
+        replicas, state = decide(figures)
+        assert replicas == 2 and "2.0 released" in state["reason"], state
         await runner.close()
 
     asyncio.run(main())
