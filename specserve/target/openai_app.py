@@ -3,12 +3,15 @@
 Owns: building vLLM's FastAPI app (`vllm.entrypoints.launchers.app.build_app`
 and `init_app_state`, as `vllm serve` and Ray Serve LLM's VLLMEngine do) on a
 given engine client, with the engine's own arguments and the tool-call
-parser of specserve's config; `config_hint`, which names specserve's config
+parser of specserve's config; the refusal of request fields that vLLM's
+request classes do not have (vLLM's server drops them with a debug log line;
+OpenAI's API answers 400, and so does specserve: `unknown_fields`); `config_hint`, which names specserve's config
 where vLLM's error messages name `vllm serve` flags; and `call`, which runs
 one HTTP request through an ASGI app without a socket and yields the response
 as it is produced (start, then body chunks).
 
-Never does: choose drafts, parse request bodies, or know about Ray.
+Never does: choose drafts, read request fields beyond their names (vLLM's
+request classes parse and validate them), or know about Ray.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import json
 import re
 from collections.abc import AsyncIterator
 
@@ -50,7 +54,100 @@ async def build(engine_client, model: str, served_name: str,
     import types
 
     app.state.server = types.SimpleNamespace()
-    return app
+    return RefuseUnknownFields(app, request_classes(app))
+
+
+def _classes(request_class) -> list:
+    """The pydantic classes of a request class or a union of them."""
+    import typing
+
+    return [c for c in typing.get_args(request_class) or (request_class,)
+            if hasattr(c, "model_fields")]
+
+
+def request_classes(app) -> dict[str, object]:
+    """Path -> the request class (or union of classes) of each POST route of
+    `app` whose JSON body is a pydantic class (vLLM's own, e.g. CompletionRequest)."""
+    from fastapi.routing import APIRoute
+
+    return {route.path: route.body_field.field_info.annotation for route in app.routes
+            if isinstance(route, APIRoute) and "POST" in route.methods
+            and route.body_field is not None
+            and _classes(route.body_field.field_info.annotation)}
+
+
+def _field_names(cls) -> set[str]:
+    names = set()
+    for name, field in cls.model_fields.items():
+        names.add(name)
+        for alias in (field.alias, field.validation_alias):
+            if isinstance(alias, str):
+                names.add(alias)
+            elif alias is not None:  # AliasChoices
+                names.update(c for c in getattr(alias, "choices", ()) if isinstance(c, str))
+    return names
+
+
+def unknown_fields(request_class, body: dict) -> list[str]:
+    """The top-level keys of `body` that `request_class` (or no class of a
+    union of them) has a field for, sorted."""
+    known = set().union(*(_field_names(c) for c in _classes(request_class)))
+    return sorted(body.keys() - known)
+
+
+def unknown_fields_error(fields: list[str]) -> str:
+    """The 400's message: OpenAI's wording, with what to send instead where
+    vLLM names it (its removed guided-decoding fields)."""
+    message = f"Unrecognized request argument supplied: {', '.join(fields)}"
+    if any(f.startswith("guided_") for f in fields):
+        message += (" (vLLM removed its guided_* fields; use structured_outputs or "
+                    "response_format)")
+    return message
+
+
+class RefuseUnknownFields:
+    """ASGI wrapper of vLLM's app: a POST whose JSON object body has a key its
+    route's request class lacks gets vLLM's 400 error body naming the keys,
+    instead of vLLM's answer to the request without them. Anything else
+    (other routes, bodies that are not a JSON object) goes to vLLM as it came."""
+
+    def __init__(self, app, classes: dict[str, object]):
+        self.app = app
+        self.classes = classes
+
+    async def __call__(self, scope, receive, send):
+        request_class = (self.classes.get(scope.get("path"))
+                         if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if request_class is None:
+            return await self.app(scope, receive, send)
+        messages, body = [], bytearray()
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body") or b""
+            if not message.get("more_body"):
+                break
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        fields = unknown_fields(request_class, parsed) if isinstance(parsed, dict) else []
+        if fields:
+            from starlette.responses import JSONResponse
+            from vllm.entrypoints.serve.exception_handling.error_response import (
+                create_error_response,
+            )
+
+            error = create_error_response(unknown_fields_error(fields), param=fields[0])
+            return await JSONResponse(error.model_dump(), status_code=400)(scope, receive, send)
+        replay = iter(messages)
+
+        async def receive_again():
+            return next(replay, None) or await receive()
+
+        return await self.app(scope, receive_again, send)
 
 
 def check_tool_call_parser(name: str | None) -> None:

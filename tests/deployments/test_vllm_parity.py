@@ -9,6 +9,8 @@ specserve: target.tool_call_parser). Both get the same
 requests over a matrix of fields, completions and chat, streaming and not,
 errors included; status, choices, texts, finish reasons, usage and logprobs
 (within 1e-3) must agree. Greedy everywhere: the outputs are deterministic.
+Where specserve differs on purpose (fields speculation cannot verify, fields
+vLLM would drop), it answers 400 naming the field.
 """
 
 from __future__ import annotations
@@ -282,6 +284,27 @@ def test_fields_speculation_cannot_verify_get_a_400_naming_them(
     status, err = call(specserve_server, path, body)
     assert status == 400 and name in err["error"]["message"], err
     assert "speculative decoding" in err["error"]["message"]
+
+
+# Fields no request class of vLLM's has: its server answers without them (a
+# debug log line; a removed guided_* field then leaves the output
+# unconstrained); OpenAI's API and specserve answer 400 naming them.
+UNKNOWN = {
+    "foo": (CMPL, {**G, "prompt": "Hello", "max_tokens": 4, "foo": 1}),
+    "guided_regex": (CHAT, {**G, "messages": HELLO, "max_tokens": 4, "guided_regex": "[0-9]+"}),
+    "bar": ("/tokenize", {"model": MODEL, "prompt": "Hello", "bar": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(UNKNOWN))
+def test_fields_vllm_would_drop_get_a_400_naming_them(vllm_server, specserve_server, name):
+    path, body = UNKNOWN[name]
+    assert call(vllm_server, path, body)[0] == 200
+    status, err = call(specserve_server, path, body)
+    assert status == 400 and err["error"]["param"] == name, err
+    assert err["error"]["message"].startswith(f"Unrecognized request argument supplied: {name}")
+    known = {k: v for k, v in body.items() if k != name}
+    assert call(specserve_server, path, known)[0] == 200
 
 
 @pytest.mark.parametrize("path, body", [

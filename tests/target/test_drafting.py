@@ -232,3 +232,85 @@ def test_body_chunks_queued_while_the_caller_was_busy_go_on_as_one():
 
     assert asyncio.run(go()) == [{"status": 200, "headers": []},
                                  b"data: a\n\ndata: b\n\ndata: c\n\n"]
+
+
+def test_fields_vllms_request_classes_lack_are_named():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.tokenize.protocol import (
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+    )
+
+    known = {"model": "m", "prompt": "x", "max_tokens": 2, "echo": True, "ignore_eos": True,
+             "structured_outputs": {"choice": ["a"]}}
+    assert openai_app.unknown_fields(CompletionRequest, known) == []
+    assert openai_app.unknown_fields(CompletionRequest, {**known, "foo": 1, "bar": 2}) == \
+        ["bar", "foo"]
+    chat = {"model": "m", "messages": [], "max_completion_tokens": 2, "top_logprobs": 2}
+    assert openai_app.unknown_fields(ChatCompletionRequest, chat) == []
+    assert openai_app.unknown_fields(ChatCompletionRequest, {**chat, "guided_json": {}}) == \
+        ["guided_json"]
+    # A union (/tokenize): a key any of its classes has is known.
+    tokenize = TokenizeCompletionRequest | TokenizeChatRequest
+    assert openai_app.unknown_fields(tokenize, {"prompt": "x", "add_special_tokens": True}) == []
+    assert openai_app.unknown_fields(tokenize, {"messages": [], "add_generation_prompt": True,
+                                                "nope": 1}) == ["nope"]
+    assert "structured_outputs" in openai_app.unknown_fields_error(["guided_json"])
+
+
+def test_unknown_fields_get_vllms_400_and_the_rest_reaches_vllms_routes():
+    """vLLM's own completion router behind the wrapper: an unknown key is a 400
+    naming it, in vLLM's error shape; known keys, other bodies and other
+    routes reach the app as they came (here, its handler finds no engine)."""
+    import json
+    from http import HTTPStatus
+
+    from fastapi import FastAPI
+    from vllm.entrypoints.openai.completion.api_router import router
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+
+    seen = []
+
+    class Serving:  # vLLM's completion handler, answering 418 with what it was given
+        async def create_completion(self, request, raw_request):
+            seen.append(request)
+            return create_error_response("stub", status_code=HTTPStatus.IM_A_TEAPOT)
+
+    inner = FastAPI()
+    inner.include_router(router)
+    init_exception_handler(inner)
+    inner.state.args = SimpleNamespace(log_error_stack=False)
+    inner.state.openai_serving_completion = Serving()
+
+    @inner.post("/echo")
+    async def echo(body: dict):
+        seen.append(body)
+        return body
+
+    app = openai_app.RefuseUnknownFields(inner, openai_app.request_classes(inner))
+    assert "/v1/completions" in app.classes and "/echo" not in app.classes  # (no class)
+
+    async def post(path, body: bytes):
+        items = [item async for item in openai_app.call(
+            app, "POST", path, "", [("content-type", "application/json")], body)]
+        return items[0]["status"], b"".join(items[1:])
+
+    status, body = asyncio.run(post("/v1/completions", json.dumps(
+        {"model": "m", "prompt": "x", "max_tokens": 2, "foo": 1, "guided_regex": "a"}).encode()))
+    error = json.loads(body)["error"]
+    assert status == 400 and error["code"] == 400 and error["type"] == "BadRequestError"
+    assert error["message"].startswith(
+        "Unrecognized request argument supplied: foo, guided_regex") and error["param"] == "foo"
+    assert seen == []
+    # Known fields reach vLLM's handler, parsed.
+    status, _ = asyncio.run(post("/v1/completions", json.dumps(
+        {"model": "m", "prompt": "x", "max_tokens": 2, "ignore_eos": True}).encode()))
+    assert status == 418 and seen[0].max_tokens == 2 and seen[0].ignore_eos
+    # Not an object, or not JSON: vLLM's own validation answers.
+    for raw in (b"[1, 2]", b'{"model": '):
+        status, body = asyncio.run(post("/v1/completions", raw))
+        assert status == 400 and "Unrecognized" not in body.decode(), body
+    # A route whose body is no request class: not looked at.
+    assert asyncio.run(post("/echo", b'{"a": 1}')) == (200, b'{"a":1}') and seen[1] == {"a": 1}
