@@ -13,12 +13,12 @@ Decisions are pure functions of figures the replicas report through
   `waiting` (its engine's queue).
 
 The draft pool grows while its drafts arrive late under load (low coverage with
-lag, or with released requests) and shrinks when idle; the target pool grows with queueing or full batches
-and shrinks when mostly empty. Bounds and delays come from the config (Serve
-applies upscale/downscale delays around these functions). Every decision is
-logged with its reason when it changes, exported as a gauge (one series per
-pool, no reason label) and published
-for the router's stats and dashboard (`specserve.control.pools`).
+lag, or with released requests) and shrinks when idle; the target pool grows
+with queueing or full batches and shrinks when mostly empty. Bounds and delays
+come from the config (Serve applies upscale/downscale delays around these
+functions). Every decision is logged with its reason when it changes, exported
+as a gauge (one series per pool, no reason label) and published for the
+router's stats and dashboard (`specserve.control.pools`).
 """
 
 from __future__ import annotations

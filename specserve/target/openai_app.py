@@ -3,9 +3,9 @@
 Owns: building vLLM's FastAPI app (`vllm.entrypoints.launchers.app.build_app`
 and `init_app_state`, as `vllm serve` and Ray Serve LLM's VLLMEngine do) on a
 given engine client, with the engine's own arguments and the tool-call
-parser of specserve's config; the refusal of request fields that vLLM's
-request classes do not have (vLLM's server drops them with a debug log line;
-OpenAI's API answers 400, and so does specserve: `unknown_fields`); `config_hint`, which names specserve's config
+parser of specserve's config; `RefuseUnknownFields`, the 400 for request
+fields vLLM's request classes lack (vLLM's server drops them with a debug log
+line; OpenAI's API answers 400); `config_hint`, which names specserve's config
 where vLLM's error messages name `vllm serve` flags; and `call`, which runs
 one HTTP request through an ASGI app without a socket and yields the response
 as it is produced (start, then body chunks).
@@ -54,31 +54,32 @@ async def build(engine_client, model: str, served_name: str,
     import types
 
     app.state.server = types.SimpleNamespace()
-    return RefuseUnknownFields(app, request_classes(app))
+    return RefuseUnknownFields(app, request_fields(app))
 
 
-def _classes(request_class) -> list:
-    """The pydantic classes of a request class or a union of them."""
+def request_fields(app) -> dict[str, frozenset[str]]:
+    """Path -> the fields (names and aliases) of the request class of each POST
+    route of `app` whose JSON body is a pydantic class (vLLM's own, e.g.
+    CompletionRequest; for a union of classes, the fields of any of them)."""
     import typing
 
-    return [c for c in typing.get_args(request_class) or (request_class,)
-            if hasattr(c, "model_fields")]
-
-
-def request_classes(app) -> dict[str, object]:
-    """Path -> the request class (or union of classes) of each POST route of
-    `app` whose JSON body is a pydantic class (vLLM's own, e.g. CompletionRequest)."""
     from fastapi.routing import APIRoute
 
-    return {route.path: route.body_field.field_info.annotation for route in app.routes
-            if isinstance(route, APIRoute) and "POST" in route.methods
-            and route.body_field is not None
-            and _classes(route.body_field.field_info.annotation)}
+    fields = {}
+    for route in app.routes:
+        if isinstance(route, APIRoute) and "POST" in route.methods and route.body_field:
+            annotation = route.body_field.field_info.annotation
+            classes = [c for c in typing.get_args(annotation) or (annotation,)
+                       if hasattr(c, "model_fields")]
+            if classes:
+                fields[route.path] = frozenset().union(*map(field_names, classes))
+    return fields
 
 
-def _field_names(cls) -> set[str]:
+def field_names(request_class) -> set[str]:
+    """A pydantic class's field names and their aliases."""
     names = set()
-    for name, field in cls.model_fields.items():
+    for name, field in request_class.model_fields.items():
         names.add(name)
         for alias in (field.alias, field.validation_alias):
             if isinstance(alias, str):
@@ -88,10 +89,8 @@ def _field_names(cls) -> set[str]:
     return names
 
 
-def unknown_fields(request_class, body: dict) -> list[str]:
-    """The top-level keys of `body` that `request_class` (or no class of a
-    union of them) has a field for, sorted."""
-    known = set().union(*(_field_names(c) for c in _classes(request_class)))
+def unknown_fields(known: frozenset[str] | set[str], body: dict) -> list[str]:
+    """The top-level keys of `body` not in `known`, sorted."""
     return sorted(body.keys() - known)
 
 
@@ -111,14 +110,14 @@ class RefuseUnknownFields:
     instead of vLLM's answer to the request without them. Anything else
     (other routes, bodies that are not a JSON object) goes to vLLM as it came."""
 
-    def __init__(self, app, classes: dict[str, object]):
+    def __init__(self, app, fields: dict[str, frozenset[str]]):
         self.app = app
-        self.classes = classes
+        self.fields = fields  # request_fields(app)
 
     async def __call__(self, scope, receive, send):
-        request_class = (self.classes.get(scope.get("path"))
-                         if scope["type"] == "http" and scope["method"] == "POST" else None)
-        if request_class is None:
+        known = (self.fields.get(scope.get("path"))
+                 if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if known is None:
             return await self.app(scope, receive, send)
         messages, body = [], bytearray()
         while True:
@@ -131,9 +130,9 @@ class RefuseUnknownFields:
                 break
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # vLLM's parser answers it
             parsed = None
-        fields = unknown_fields(request_class, parsed) if isinstance(parsed, dict) else []
+        fields = unknown_fields(known, parsed) if isinstance(parsed, dict) else []
         if fields:
             from starlette.responses import JSONResponse
             from vllm.entrypoints.serve.exception_handling.error_response import (

@@ -242,20 +242,27 @@ def test_fields_vllms_request_classes_lack_are_named():
         TokenizeCompletionRequest,
     )
 
+    completion = openai_app.field_names(CompletionRequest)
     known = {"model": "m", "prompt": "x", "max_tokens": 2, "echo": True, "ignore_eos": True,
              "structured_outputs": {"choice": ["a"]}}
-    assert openai_app.unknown_fields(CompletionRequest, known) == []
-    assert openai_app.unknown_fields(CompletionRequest, {**known, "foo": 1, "bar": 2}) == \
-        ["bar", "foo"]
-    chat = {"model": "m", "messages": [], "max_completion_tokens": 2, "top_logprobs": 2}
-    assert openai_app.unknown_fields(ChatCompletionRequest, chat) == []
-    assert openai_app.unknown_fields(ChatCompletionRequest, {**chat, "guided_json": {}}) == \
-        ["guided_json"]
+    assert openai_app.unknown_fields(completion, known) == []
+    assert openai_app.unknown_fields(completion, {**known, "foo": 1, "bar": 2}) == ["bar", "foo"]
+    chat = openai_app.field_names(ChatCompletionRequest)
+    body = {"model": "m", "messages": [], "max_completion_tokens": 2, "top_logprobs": 2}
+    assert openai_app.unknown_fields(chat, body) == []
+    assert openai_app.unknown_fields(chat, {**body, "guided_json": {}}) == ["guided_json"]
     # A union (/tokenize): a key any of its classes has is known.
-    tokenize = TokenizeCompletionRequest | TokenizeChatRequest
-    assert openai_app.unknown_fields(tokenize, {"prompt": "x", "add_special_tokens": True}) == []
-    assert openai_app.unknown_fields(tokenize, {"messages": [], "add_generation_prompt": True,
-                                                "nope": 1}) == ["nope"]
+    from fastapi import FastAPI
+    from vllm.entrypoints.serve.tokenize.api_router import router
+
+    app = FastAPI()
+    app.include_router(router)
+    fields = openai_app.request_fields(app)
+    assert fields["/tokenize"] == (openai_app.field_names(TokenizeCompletionRequest)
+                                   | openai_app.field_names(TokenizeChatRequest))
+    assert openai_app.unknown_fields(fields["/tokenize"], {"prompt": "x", "messages": [],
+                                                           "add_generation_prompt": True,
+                                                           "nope": 1}) == ["nope"]
     assert "structured_outputs" in openai_app.unknown_fields_error(["guided_json"])
 
 
@@ -289,8 +296,8 @@ def test_unknown_fields_get_vllms_400_and_the_rest_reaches_vllms_routes():
         seen.append(body)
         return body
 
-    app = openai_app.RefuseUnknownFields(inner, openai_app.request_classes(inner))
-    assert "/v1/completions" in app.classes and "/echo" not in app.classes  # (no class)
+    app = openai_app.RefuseUnknownFields(inner, openai_app.request_fields(inner))
+    assert "/v1/completions" in app.fields and "/echo" not in app.fields  # (no class)
 
     async def post(path, body: bytes):
         items = [item async for item in openai_app.call(
@@ -308,8 +315,8 @@ def test_unknown_fields_get_vllms_400_and_the_rest_reaches_vllms_routes():
     status, _ = asyncio.run(post("/v1/completions", json.dumps(
         {"model": "m", "prompt": "x", "max_tokens": 2, "ignore_eos": True}).encode()))
     assert status == 418 and seen[0].max_tokens == 2 and seen[0].ignore_eos
-    # Not an object, or not JSON: vLLM's own validation answers.
-    for raw in (b"[1, 2]", b'{"model": '):
+    # Not an object, not JSON, or too deep for Python's parser: vLLM answers.
+    for raw in (b"[1, 2]", b'{"model": ', b"[" * 100_000 + b"]" * 100_000):
         status, body = asyncio.run(post("/v1/completions", raw))
         assert status == 400 and "Unrecognized" not in body.decode(), body
     # A route whose body is no request class: not looked at.
