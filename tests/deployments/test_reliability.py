@@ -43,6 +43,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Hello world", "The quick brown fox", "abc", "Speculative decoding on CPU"]
 SHORT, LONG = 24, 400  # LONG: streams that last a few seconds, to kill or leave
+HANG = 960  # streams to hang up on: as long as the tiny model's context allows
 SOAK_SECONDS = float(os.environ.get("SPECSERVE_SOAK_SECONDS", "20"))
 SOAK_CLIENTS = int(os.environ.get("SPECSERVE_SOAK_CLIENTS", "8"))
 FUZZ_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "150"))
@@ -52,7 +53,7 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def app(tiny_models, tmp_path_factory):
     pki = make_pki(tmp_path_factory.mktemp("pki"))
-    engine = {"dtype": "float32", "kv_cache_gib": 1, "max_model_len": 512}
+    engine = {"dtype": "float32", "kv_cache_gib": 1, "max_model_len": 1024}
     config = {
         "target": {"model": str(tiny_models["target"]), "name": "tiny",
                    "resources": {"cpus_per_worker": 1}, "engine": engine},
@@ -157,16 +158,15 @@ def replica_processes(app, name):
 
 def kill_replica(app, name):
     """SIGKILL a deployment's replica and the engine processes under it (as when
-    its container or node dies); returns the killed replica's pid."""
+    its container or node dies). Returns once the signals are sent: waiting for
+    the processes to be gone (up to 10 s, before) let the streams a test kills
+    them under end first."""
     [replica] = replica_processes(app, name)
-    victims = [replica] + replica.children(recursive=True)
-    for p in victims:
+    for p in [replica] + replica.children(recursive=True):
         try:
             os.kill(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    psutil.wait_procs(victims, timeout=10)
-    return replica.pid
 
 
 def wait_for(predicate, timeout, what, interval=1.0):
@@ -335,28 +335,37 @@ def held(s):
 
 
 def test_disconnected_clients_free_their_slots(app):
+    # How long a stream of HANG tokens lasts here, alone (with company, longer).
+    started = time.monotonic()
+    text, error, done = read_stream(app, PROMPTS[0], HANG)
+    alone = time.monotonic() - started
+    assert error is None and done, error
     # Mid-stream: read a first event, then hang up.
-    conns = [open_stream(app, PROMPTS[i % 4], LONG) for i in range(6)]
+    conns = [open_stream(app, PROMPTS[i % 4], HANG) for i in range(6)]
     for c in conns:
         r = c.getresponse()
         assert r.status == 200
         assert next(events(r)) != "[DONE]"
     # While they are open, the slots are taken (so the check below can fail) ...
-    router, engine, draft = held(stats(app))
-    assert router >= 6 and engine >= 1 and draft >= 1, (router, engine, draft)
+    router, engine, draft = wait_for(
+        lambda: (h := held(stats(app)))[0] >= 6 and h[1] >= 1 and (h[2] or 0) >= 1 and h,
+        alone / 2, "the 6 open streams counted in flight", interval=0.1)
     for c in conns:
         c.sock.shutdown(2)
         c.close()
     # Before the first token: send the request and hang up at once.
+    opened = time.monotonic()
     for i in range(4):
-        c = open_stream(app, PROMPTS[i], LONG)
+        c = open_stream(app, PROMPTS[i], HANG)
         c.sock.shutdown(2)
         c.close()
-    # ... and after the hang-ups every count returns to zero, long before the
-    # requests would have finished (LONG tokens take several seconds each).
-    wait_for(lambda: held(stats(app)) == (0, 0, 0), 30,
-             "router in-flight, target unfinished requests and draft active back to 0",
-             interval=0.5)
+    # ... and after the hang-ups every count returns to zero before the last
+    # requests could have finished (a stream of HANG tokens takes `alone`).
+    wait_for(lambda: held(stats(app)) == (0, 0, 0), alone - (time.monotonic() - opened),
+             "router in-flight, target unfinished requests and draft active back to 0 "
+             f"sooner than a {HANG}-token stream takes ({alone:.1f} s)", interval=0.2)
+    print(f"\nslots free {time.monotonic() - opened:.1f} s after the last hang-ups; "
+          f"a {HANG}-token stream takes {alone:.1f} s")
 
 
 def test_draft_replica_killed_mid_stream(app, expected):
