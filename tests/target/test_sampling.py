@@ -128,7 +128,7 @@ def test_sampling_with_speculation_matches_the_target_distribution(tiny_models, 
     assert chi_square_p(simulate(truth, N, lambda p: p, seed=3), truth) > P_THRESHOLD
 
     # A target step slow enough that the draft, drafting for N requests at once
-    # on a shared CPU, is in time for most of them: with the 25 ms of the other
+    # on a shared CPU, is in time for many of them: with the 25 ms of the other
     # tests it drafted 359 tokens in one CI-like run, short of the N // 4 below.
     for var, value in slow_target.env(250).items():
         monkeypatch.setenv(var, value)
