@@ -50,10 +50,12 @@ class DraftServer:
         self.runner = self.worker.runner
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
-                    lookahead: int, max_tokens: int, k: int = 0):
-        """Draft for one request until the caller cancels (streaming call)."""
+                    lookahead: int, max_tokens: int, k: int = 0, ticket: str = ""):
+        """Draft for one request until the caller cancels (streaming call);
+        ticket: the one the target registered the request with at its sink."""
         log.debug("drafting %s for %s", request_id, sink_address)
-        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k)
+        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k,
+                          ticket=ticket)
         try:
             _, lag = self.runner.timeliness()
             yield {"replica": replica_name(), "model": self.config.name, "lag": lag}

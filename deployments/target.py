@@ -118,14 +118,15 @@ class TargetServer:
         return self._app
 
     def _open_draft(self, pool: str, request_id: str, prompt_ids: list[int],
-                    max_tokens: int, k: int) -> "_Drafting":
-        """Ask a replica of `pool` to stream drafts for one sequence to our sink.
-        Fire and forget: a dead or slow draft pool only costs speed."""
+                    max_tokens: int, k: int, ticket: str) -> "_Drafting":
+        """Ask a replica of `pool` to stream drafts for one sequence to our sink
+        (registered there with `ticket`). Fire and forget: a dead or slow draft
+        pool only costs speed."""
         who = {"model": pool, "k": k}
         if pool not in self.drafts:
             return _Drafting(None, None, who)
         call = self.drafts[pool].options(stream=True).draft.remote(
-            request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens, k)
+            request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens, k, ticket)
 
         async def follow():
             from ray.serve.exceptions import RequestCancelledError

@@ -2,9 +2,11 @@
 
 Owns the life of one local speculative-decoding setup, as `specserve generate`
 and the tests use it: start a draft process (`specserve.draft.server`) and a
-target vLLM engine whose proposer listens for drafts, route each request to both
-(Drafter.Start, then the target's generate), and tear everything down. With no
-draft it is the target alone with the same engine settings.
+target vLLM engine whose proposer listens for drafts, run each request through
+the same engine client as a Serve target replica (`DraftingEngine`: it
+registers the request with the sink and then asks the draft process to draft
+for it, Drafter.Start), and tear everything down. With no draft it is the
+target alone with the same engine settings.
 
 The draft is only ever a hint: if the draft process is missing, slow or dead,
 requests run on the target alone and give the same greedy output.
@@ -102,6 +104,9 @@ class LocalSpec:
         self._draft_channel = None
         self._tmp = tempfile.TemporaryDirectory(prefix="specserve-")
         self.draft_failures = 0
+        self._client = None  # the DraftingEngine on the target engine, made on first use
+        self.tickets: dict[str, str] = {}  # sequence id -> its registration ticket
+        self._closing: set = set()  # Drafter.Cancel calls in flight
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
         from specserve.config import SpeculationConfig
@@ -224,6 +229,8 @@ class LocalSpec:
                 await asyncio.sleep(0.5)
 
     async def aclose(self) -> None:
+        if self._closing:  # the last requests' Drafter.Cancel calls
+            await asyncio.wait(list(self._closing), timeout=5)
         if self._draft_channel is not None:
             await self._draft_channel.close()
             self._draft_channel = None
@@ -270,30 +277,39 @@ class LocalSpec:
                 load=min(running / self.settings.max_num_seqs, 1.0),
                 cost=self.target_engine.step_costs.cost(), rows=running + 1)
             k = choice.k
-        drafting = False
-        if k > 0:
-            drafting = await self._start_draft(rid, prompt_ids, sampling_params.max_tokens,
-                                               0 if self.controller is None else k)
         from vllm.inputs import TokensPrompt
 
+        from specserve.target.drafting import ROUTE, DraftingEngine, Route
+
+        if self._client is None:
+            self._client = DraftingEngine(self.engine, self._open_draft, self.k, "local")
+        route = Route(DRAFT_POOL if k > 0 else None, k)
+        token = ROUTE.set(route)
         final = None
         try:
-            async for out in self.engine.generate(
+            async for out in self._client.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, rid
             ):
                 final = out
                 if on_output is not None:
                     on_output(out.outputs[0])
         finally:
-            if drafting:
-                await self._cancel_draft(rid)
+            ROUTE.reset(token)
         o = final.outputs[0]
-        if drafting:
+        if route.records and route.records[-1].report.draft_model is not None:
             self.figures.add(Acceptance.of_output(o, k))
         return list(o.token_ids)
 
+    def _open_draft(self, pool: str, rid: str, prompt_ids: list[int], max_tokens: int, k: int,
+                    ticket: str) -> "_LocalDraft":
+        """DraftingEngine's open_draft: ask the draft process to draft for one
+        registered sequence (Drafter.Start), in the background."""
+        self.tickets[rid] = ticket  # tests that play the draft themselves read it here
+        return _LocalDraft(self, rid, prompt_ids, max_tokens, k if self.controller else 0,
+                           ticket)
+
     async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int,
-                           k: int = 0) -> bool:
+                           k: int, ticket: str) -> bool:
         if self._draft_stub is None:
             return False
         try:
@@ -301,7 +317,7 @@ class LocalSpec:
                 spec_pb2.StartDraft(
                     request_id=rid, prompt_token_ids=prompt_ids,
                     sink_address=self.sink_address, lookahead=self.lookahead,
-                    max_tokens=max_tokens, max_draft_tokens=k,
+                    max_tokens=max_tokens, max_draft_tokens=k, ticket=ticket,
                 ),
                 timeout=5.0,
             )
@@ -318,6 +334,28 @@ class LocalSpec:
             await self._draft_stub.Cancel(spec_pb2.CancelDraft(request_id=rid), timeout=2.0)
         except grpc.aio.AioRpcError:
             pass
+
+
+class _LocalDraft:
+    """One sequence's drafting by LocalSpec's draft process (a DraftStream)."""
+
+    def __init__(self, spec: LocalSpec, rid: str, prompt_ids: list[int], max_tokens: int,
+                 k: int, ticket: str):
+        self.who = {"model": DRAFT_POOL, "k": k}
+        self._spec, self._rid = spec, rid
+        self._started = asyncio.get_running_loop().create_task(
+            spec._start_draft(rid, prompt_ids, max_tokens, k, ticket))
+
+    def close(self) -> None:
+        self._spec.tickets.pop(self._rid, None)
+
+        async def cancel():
+            if await self._started:
+                await self._spec._cancel_draft(self._rid)
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._spec._closing.add(task)
+        task.add_done_callback(self._spec._closing.discard)
 
 
 def sampling_params(max_tokens: int, temperature: float, ignore_eos: bool):

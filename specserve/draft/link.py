@@ -42,7 +42,7 @@ class SinkLink:
         self,
         address: str,
         on_verified: Callable[[str, int, list[int]], None],
-        snapshot: Callable[["SinkLink"], list[tuple[str, list[int], list[int], int]]],
+        snapshot: Callable[["SinkLink"], list[tuple[str, str, int, list[int]]]],
         max_queued: int = 4096,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         tls=None,
@@ -72,9 +72,10 @@ class SinkLink:
 
     # ---- sending (never blocks) ---------------------------------------------------
 
-    def open(self, rid: str, prompt: list[int], k: int = 0, end: int = 0) -> None:
+    def open(self, rid: str, ticket: str, verified_position: int = 0) -> None:
+        """Take up a request the target registered (with this ticket) at the sink."""
         self._put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
-            request_id=rid, prompt_token_ids=prompt, max_draft_tokens=k, end_position=end)))
+            request_id=rid, ticket=ticket, verified_position=verified_position)))
 
     def send_draft(self, rid: str, position: int, tokens: list[int],
                    branches: list[tuple[int, list[int]]] = ()) -> None:
@@ -103,13 +104,12 @@ class SinkLink:
             channel = self._channel_factory(self.address)
             queue: asyncio.Queue = asyncio.Queue(maxsize=self._max_queued)
             try:
-                for rid, verified, drafts, k, end in self._snapshot(self):
+                for rid, ticket, verified, drafts in self._snapshot(self):
                     queue.put_nowait(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
-                        request_id=rid, prompt_token_ids=verified, max_draft_tokens=k,
-                        end_position=end)))
+                        request_id=rid, ticket=ticket, verified_position=verified)))
                     if drafts:
                         queue.put_nowait(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
-                            request_id=rid, position=len(verified), token_ids=drafts)))
+                            request_id=rid, position=verified, token_ids=drafts)))
                 self._queue = queue
                 call = spec_pb2_grpc.DraftSinkStub(channel).Connect(
                     self._outgoing(queue),

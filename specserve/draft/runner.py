@@ -196,8 +196,9 @@ class _Request:
     """
 
     def __init__(self, rid: str, prompt: list[int], link: SinkLink, lookahead: int, limit: int,
-                 k: int = 0):
+                 k: int = 0, ticket: str = ""):
         self.id = rid
+        self.ticket = ticket  # the target's secret for this request, presented at open
         self.k = k  # the target proposes at most k of our tokens per step (0: its own K)
         self.verified = list(prompt)
         self.tokens = list(prompt)
@@ -259,7 +260,9 @@ class DraftRunner:
     # ---- control ----------------------------------------------------------------
 
     def start(self, rid: str, prompt: list[int], sink_address: str, lookahead: int,
-              max_tokens: int, k: int = 0) -> None:
+              max_tokens: int, k: int = 0, ticket: str = "") -> None:
+        """Draft for a request the target registered at `sink_address` with
+        `ticket` (the sink refuses an open without it)."""
         if not prompt:
             raise ValueError("prompt must not be empty")
         if lookahead < 1 or max_tokens < 1:
@@ -271,10 +274,10 @@ class DraftRunner:
         if link is None:
             link = self._links[sink_address] = self._link_factory(sink_address)
         limit = min(len(prompt) + max_tokens, self.model.max_model_len)
-        req = _Request(rid, prompt, link, lookahead, limit, k)
+        req = _Request(rid, prompt, link, lookahead, limit, k, ticket)
         self._requests[rid] = req
         self.stats.requests += 1
-        link.open(rid, prompt, k, end=limit)
+        link.open(rid, ticket)
         req.task = asyncio.get_running_loop().create_task(self._run(req), name=f"draft-{rid}")
 
     def cancel(self, rid: str) -> bool:
@@ -380,10 +383,10 @@ class DraftRunner:
                 req.link.send_draft(req.id, end, req.tokens[end:], self._branches(req, end))
         req.changed.set()
 
-    def _snapshot(self, link: SinkLink) -> list[tuple[str, list[int], list[int], int, int]]:
-        """(request, verified history, drafts, k, end) of a link's requests, to re-open them."""
+    def _snapshot(self, link: SinkLink) -> list[tuple[str, str, int, list[int]]]:
+        """(request, ticket, verified length, drafts) of a link's requests, to re-open them."""
         return [
-            (r.id, list(r.verified), r.tokens[len(r.verified):], r.k, r.limit)
+            (r.id, r.ticket, len(r.verified), r.tokens[len(r.verified):])
             for r in self._requests.values()
             if r.link is link
         ]

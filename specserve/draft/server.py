@@ -42,6 +42,7 @@ class DrafterService(spec_pb2_grpc.DrafterServicer):
                 lookahead=request.lookahead,
                 max_tokens=request.max_tokens,
                 k=request.max_draft_tokens,
+                ticket=request.ticket,
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -8,15 +8,16 @@ tokens to report back to each draft.
 
 Pure logic: no threads, no gRPC, no vLLM. The caller (the sink) serialises access.
 
-Matching. Rows of the engine batch carry no request id, only their token history
-H. A buffered sequence S applies to a row exactly when H is a prefix of S; we then
-propose S[len(H):len(H)+k]. This is sound whatever S holds, because the target's
-rejection sampler decides every token (drafts are hints). To find candidates fast,
-requests are indexed by (len(V), last verified token): a row that advanced by g
-tokens since the last step (0 <= g <= max_advance) is looked up under
-(len(H) - g, H[len(H) - g - 1]) and confirmed by comparing the whole verified
-prefix. Requests that were not matched at the last step (new, or lost track of)
-are compared against the rows nobody claimed.
+Matching. Every row of the engine batch names its request (vLLM's input batch
+knows each row's request id; the proposer hands the book that key, or None for
+a row it does not know). The target registers each request before its first
+step (`register`: prompt, K, end), so the entry is the target's; a draft can
+only `attach` to a registered entry and extend it. A step finds each row's
+entry by key (a dictionary lookup) and compares only the tokens the row gained
+since the last step (at most K + 1 in a verify step), so its cost is flat in
+the context length. Token history confirms positions; it never finds requests:
+a row whose key is unknown gets no drafts, and a draft learns the verified
+tokens only of the entries it attached to.
 
 Branches (the speculation cache). Besides S, a draft may send branches: a
 branch forks at a drafted position p of S with an alternative token there, then
@@ -94,13 +95,9 @@ class DraftBook:
         # caller's bounded wait (see refill).
         self.misses: list[tuple[int, Hashable]] = []
         self._entries: dict[Hashable, _Entry] = {}
-        # (len(V), last verified token) -> keys. Every entry is in exactly one bucket.
-        self._index: dict[tuple[int, int], set[Hashable]] = {}
-        # Keys not matched to any row at the last propose(): searched the slow way.
-        self._unmatched: set[Hashable] = set()
         # Given up (release_uncovered) and not yet closed by their draft: its
         # messages for them in flight are dropped quietly. Insertion-ordered, bounded.
-        self._released: dict[Hashable, None] = {}
+        self._released: dict[Hashable, Hashable] = {}  # key -> the stream it had
         self._uncovered: list[Hashable] = []  # at release_after uncovered steps now
 
     # ---- messages from drafts -------------------------------------------------
@@ -111,11 +108,13 @@ class DraftBook:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
-    def open(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
-        """k: the request's own K (0: the caller's); end: prompt + max_tokens (0: unknown)."""
+    def register(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
+        """The target's registration of a request (before its first step): its
+        prompt, its own K (0: the caller's) and where its output ends (prompt +
+        max_tokens; 0: unknown). The entry is the target's until `unregister`."""
         self._released.pop(key, None)
         if key in self._entries:
-            raise BookError(ALREADY_EXISTS, f"request {key[-1]!r} is already open on this stream")
+            raise BookError(ALREADY_EXISTS, f"request {_name(key)!r} is already registered")
         if len(self._entries) >= self.max_requests:
             raise BookError(
                 RESOURCE_EXHAUSTED,
@@ -129,15 +128,32 @@ class DraftBook:
         arr = self._checked_tokens(prompt)
         entry = _Entry(arr, k)
         entry.end = end if end > len(prompt) else None
-        entry.stream = key[0] if isinstance(key, tuple) and key else None
-        self.stream_stats.setdefault(entry.stream, BookStats())
         self._entries[key] = entry
-        self._index_add(key, entry)
-        self._unmatched.add(key)
         self.stats.opened += 1
 
+    def attach(self, key: Hashable, stream: Hashable, known: int = 0) -> None:
+        """A draft stream takes up a registered request (the caller checked that
+        it may). known: how much of the request's history the draft has (its
+        verified position; 0: the prompt): verified updates resume from there."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise BookError(NOT_FOUND, f"unknown request {_name(key)!r}")
+        if entry.stream is not None and entry.stream != stream:
+            raise BookError(ALREADY_EXISTS, f"request {_name(key)!r} has a draft already")
+        self._released.pop(key, None)
+        entry.stream = stream
+        self.stream_stats.setdefault(stream, BookStats())
+        entry.reported = min(max(known, entry.prompt_len), entry.verified)
+
+    def open(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
+        """register and attach in one (tests, tools): keys (stream, request id)
+        attach to their stream."""
+        self.register(key, prompt, k, end)
+        self.attach(key, key[0] if isinstance(key, tuple) and key else None)
+
     def extend(self, key: Hashable, position: int, tokens: Sequence[int],
-               branches: Sequence[tuple[int, Sequence[int]]] = ()) -> int:
+               branches: Sequence[tuple[int, Sequence[int]]] = (),
+               stream: Hashable = None) -> int:
         """Drafted tokens for positions [position, position + len(tokens)), and
         branches (fork position, [alternative token, continuation...]).
 
@@ -145,13 +161,15 @@ class DraftBook:
         a draft built on another history (stale, or after a rejection the draft
         has not heard of yet) is dropped, its branches too. A branch must fork
         inside this message's window at a position not yet verified, with a
-        token other than S's there. Returns how many main tokens were added.
+        token other than S's there. stream: the sender; a request attached to
+        another stream (or to none) is unknown to it. Returns how many main
+        tokens were added.
         """
         entry = self._entries.get(key)
-        if entry is None:
+        if entry is None or (stream is not None and entry.stream != stream):
             if key in self._released:
                 return 0  # sent before the draft heard it was released
-            raise BookError(NOT_FOUND, f"unknown request {key[-1]!r}: open it first")
+            raise BookError(NOT_FOUND, f"unknown request {_name(key)!r}: open it first")
         arr = self._checked_tokens(tokens)
         checked = [(int(fork), self._checked_tokens(bt)) for fork, bt in branches]
         self.stats.draft_messages += 1
@@ -217,6 +235,11 @@ class DraftBook:
             per = self.stream_stats[entry.stream] = BookStats()
         setattr(per, name, getattr(per, name) + n)
 
+    def stream_of(self, key: Hashable) -> Hashable:
+        """The draft stream attached to a request (None: none, or unknown)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.stream
+
     def pending(self, key: Hashable) -> int:
         """Drafted tokens past the verified position of a request (0 if unknown)."""
         entry = self._entries.get(key)
@@ -227,39 +250,53 @@ class DraftBook:
         entry = self._entries.get(key)
         return 0 if entry is None else (min(k, entry.k) if entry.k else k)
 
-    def close(self, key: Hashable) -> bool:
+    def unregister(self, key: Hashable) -> bool:
+        """The target is done with a request (finished, aborted): forget it."""
         self._released.pop(key, None)
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
         self.branch_tokens -= entry.drop_branches()
-        self._index_remove(key, entry)
-        self._unmatched.discard(key)
         self.stats.closed += 1
         return True
 
+    close = unregister
+
+    def detach(self, key: Hashable, stream: Hashable = None) -> bool:
+        """A draft stops drafting a request (its close, its stream gone, a
+        release): its drafts and branches go; the verified history stays, for
+        a draft that attaches again."""
+        entry = self._entries.get(key)
+        if entry is None or entry.stream is None or (stream is not None and entry.stream != stream):
+            return False
+        self.branch_tokens -= entry.drop_branches()
+        entry.length = entry.verified
+        entry.stream = None
+        return True
+
     def close_all(self, stream_id: Hashable) -> int:
-        """Drop every request of a stream (keys are (stream_id, request_id))."""
-        keys = [k for k in self._entries if k[0] == stream_id]
+        """Detach every request of a stream (it broke or closed)."""
+        keys = [k for k, e in self._entries.items() if e.stream == stream_id]
         for k in keys:
-            self.close(k)
-        for k in [k for k in self._released if k[0] == stream_id]:
+            self.detach(k)
+        for k in [k for k in self._released if self._released[k] == stream_id]:
             del self._released[k]
         return len(keys)
 
     def release_uncovered(self) -> list[tuple[Hashable, int]]:
         """Close the requests whose last release_after steps found no drafts (after
         the wait): drafts too late to verify only take the draft's time from the
-        requests it keeps up with. Returns (key, steps) for the caller to tell."""
+        requests it keeps up with. They stay registered (the target's), detached
+        from their draft. Returns (key, steps, stream) for the caller to tell."""
         out = []
         for key in self._uncovered:
             entry = self._entries.get(key)
             if entry is None or entry.uncovered < self.release_after:
                 continue  # closed meanwhile, or the wait brought drafts
-            out.append((key, entry.uncovered))
+            out.append((key, entry.uncovered, entry.stream))
             self._count(entry, "released")
-            self.close(key)
-            self._released[key] = None
+            self._released[key] = entry.stream
+            self.detach(key)
             if len(self._released) > self.max_requests:
                 del self._released[next(iter(self._released))]
         self._uncovered = []
@@ -278,57 +315,43 @@ class DraftBook:
         k: int,
         max_advance: int,
         active: Sequence[bool] | None = None,
+        keys: Sequence[Hashable | None] | None = None,
     ) -> tuple[list[list[int]], list[VerifiedUpdate]]:
         """Drafts for each batch row, and the verified tokens to report.
 
         histories[i]: row i's token history (prompt + verified output), 1-D ints.
+        keys[i]: the request row i serves, as registered (None: unknown, no drafts).
         k: at most this many drafted tokens per row.
-        max_advance: the most tokens a row can gain in one step (k + 1).
+        max_advance: the most tokens a row can gain in one step (k + 1); a row
+        that gained more (the target ran on without this book) is taken as is.
         active[i]: False for rows that sampled nothing this step (partial
         prefill); they get no draft and update nothing.
         """
         proposals: list[list[int]] = [[] for _ in histories]
-        claimed: dict[Hashable, int] = {}
-        loose_rows: list[int] = []
-        for i, h in enumerate(histories):
-            if active is not None and not active[i]:
-                continue
-            self.stats.rows_seen += 1
-            key = self._find_indexed(h, max_advance, claimed)
-            if key is None:
-                loose_rows.append(i)
-            else:
-                claimed[key] = i
-        if loose_rows and self._unmatched:
-            for key in list(self._unmatched):
-                if key in claimed:
-                    continue
-                entry = self._entries[key]
-                for j, i in enumerate(loose_rows):
-                    h = histories[i]
-                    if len(h) >= entry.verified and np.array_equal(
-                        h[: entry.verified], entry.tokens[: entry.verified]
-                    ):
-                        claimed[key] = i
-                        del loose_rows[j]
-                        break
-                if not loose_rows:
-                    break
-
         updates: list[VerifiedUpdate] = []
         self.misses = []
         self._uncovered = []
-        for key, i in claimed.items():
+        entries = self._entries
+        for i, h in enumerate(histories):
+            if (active is not None and not active[i]) or keys is None:
+                continue
+            self.stats.rows_seen += 1
+            key = keys[i]
+            entry = entries.get(key) if key is not None else None
+            if entry is None or len(h) < entry.verified:
+                continue  # unknown, or not this request's row (a stale key)
             self.stats.rows_matched += 1
-            entry = self._entries[key]
-            proposals[i] = self._advance(key, entry, histories[i], k)
-            if entry.end is not None and len(histories[i]) >= entry.end:
+            proposals[i] = self._advance(entry, h, k)
+            if entry.stream is None:
+                proposals[i] = []  # no draft attached: nothing to propose or report
+                continue
+            if entry.end is not None and len(h) >= entry.end:
                 # The request's output is complete: the row is finishing (vLLM
                 # proposes for it in the step that ends it), not a step that
                 # drafts could help or that is worth waiting for.
                 proposals[i] = []
             else:
-                self._note_proposal(key, entry, len(histories[i]), proposals[i])
+                self._note_proposal(key, entry, len(h), proposals[i])
                 if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
                     # The draft is drafting for this row but nothing is here (it
                     # has not heard of the rejection yet, or fell behind): the
@@ -336,11 +359,9 @@ class DraftBook:
                     self.misses.append((i, key))
             if entry.verified > entry.reported:
                 start = entry.reported
-                updates.append(
-                    VerifiedUpdate(key, start, entry.tokens[start : entry.verified].tolist())
-                )
+                updates.append(VerifiedUpdate(key, start, entry.tokens[start : entry.verified].tolist(),
+                                              entry.stream))
                 entry.reported = entry.verified
-        self._unmatched = set(self._entries) - set(claimed)
         return proposals, updates
 
     def refill(self, histories: Sequence[np.ndarray], k: int) -> dict[int, list[int]]:
@@ -397,39 +418,13 @@ class DraftBook:
             )
         return arr
 
-    def _find_indexed(self, h: np.ndarray, max_advance: int, claimed) -> Hashable | None:
-        """The request whose verified prefix h extends; among several (same
-        prompt, say) the one whose drafts agree with h the longest."""
-        n = len(h)
-        for gain in range(0, max_advance + 1):
-            m = n - gain
-            if m < 1:
-                break
-            bucket = self._index.get((m, int(h[m - 1])))
-            if not bucket:
-                continue
-            best, best_agree = None, -1
-            for key in bucket:
-                if key in claimed:
-                    continue
-                entry = self._entries[key]
-                if not np.array_equal(h[:m], entry.tokens[:m]):
-                    continue
-                end = min(entry.length, n)
-                agree = int(np.argmin(np.append(entry.tokens[m:end] == h[m:end], False)))
-                if agree > best_agree:
-                    best, best_agree = key, agree
-            if best is not None:
-                return best
-        return None
-
-    def _advance(self, key: Hashable, entry: _Entry, h: np.ndarray, k: int) -> list[int]:
-        """Row history h extends entry's verified prefix: move V to len(h).
+    def _advance(self, entry: _Entry, h: np.ndarray, k: int) -> list[int]:
+        """Row h is entry's request, its history at least V long: move V to len(h).
+        Only the tokens past V are read (at most K + 1 in a verify step).
 
         Where h leaves S (a rejection), a branch forking there with h's token
         becomes S (a hit); otherwise S restarts from h."""
         n = len(h)
-        self._index_remove(key, entry)
         self._judge_last(entry, h)
         v = entry.verified
         if n > v:
@@ -455,7 +450,6 @@ class DraftBook:
                 entry.put(v, np.asarray(h[v:n], dtype=np.int64))
             entry.verified = n
             self.branch_tokens -= entry.drop_branches(lambda fork: fork < n)
-        self._index_add(key, entry)
         if entry.k:
             k = min(k, entry.k)
         return entry.tokens[n : min(entry.length, n + k)].tolist()
@@ -484,15 +478,7 @@ class DraftBook:
         entry.last_outcome = REJECTED if rejected else ACCEPTED
         entry.last_start, entry.last_proposal = -1, []
 
-    def _index_add(self, key: Hashable, entry: _Entry) -> None:
-        v = entry.verified
-        self._index.setdefault((v, int(entry.tokens[v - 1])), set()).add(key)
 
-    def _index_remove(self, key: Hashable, entry: _Entry) -> None:
-        v = entry.verified
-        bucket_key = (v, int(entry.tokens[v - 1]))
-        bucket = self._index.get(bucket_key)
-        if bucket is not None:
-            bucket.discard(key)
-            if not bucket:
-                del self._index[bucket_key]
+def _name(key: Hashable) -> str:
+    """A key's request id, for messages (keys may be (stream, request id))."""
+    return str(key[-1] if isinstance(key, tuple) and key else key)

@@ -33,9 +33,10 @@ class BookError(Exception):
 class VerifiedUpdate:
     """Tokens the target verified for a request: positions [position, position+len)."""
 
-    key: Hashable  # (stream id, request id)
+    key: Hashable  # the request's key in the book
     position: int
     token_ids: list[int]
+    stream: Hashable = None  # the draft stream it goes to
 
 
 class _Entry:
@@ -60,7 +61,7 @@ class _Entry:
         self.last_start = -1  # where the last proposal started (len(H) then)
         self.last_proposal: list[int] = []
         self.last_outcome = FIRST  # how this request's last verify step ended
-        self.stream: Hashable = None
+        self.stream: Hashable = None  # the draft stream attached to it (None: none)
         self.end: int | None = None  # where the output ends (history length); None: unknown
         self.uncovered = 0  # this request's steps in a row without drafts
 

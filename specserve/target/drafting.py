@@ -7,15 +7,18 @@ each engine request after vLLM's own tokenization and chat templating and
 
 1. refuses (VLLMValidationError: an HTTP 400 naming the field) what the engine
    here cannot run (see `refusal`);
-2. opens one draft stream per sequence of the request (n of them for `n > 1`:
-   the draft book matches each row to a stream by history), with the prompt
-   token ids, the engine request id and the K the router chose (`Route`, set
-   per HTTP request in a context variable);
+2. registers each sequence of the request (n of them for `n > 1`) with the
+   target's draft sink (`specserve.target.worker_hook`: id, prompt, K, end
+   and a fresh secret ticket) and, once registered, opens one draft stream
+   per sequence with the id, the ticket, the prompt token ids and the K the
+   router chose (`Route`, set per HTTP request in a context variable); the
+   engine starts on the request meanwhile (drafts are hints: the first steps
+   may go without);
 3. yields vLLM's outputs unchanged, and records each finished sequence's
    spec-decode figures (vLLM's per-request histogram) as a `RequestRecord` on
    the route, for the router's acceptance picture;
-4. closes the draft streams however the request ends (finished, cancelled by a
-   client that went away, or failed).
+4. closes the draft streams and unregisters the sequences however the request
+   ends (finished, cancelled by a client that went away, or failed).
 
 Never does: HTTP, request parsing or Ray; drafts are opened through the
 `open_draft` callable it is given.
@@ -23,14 +26,20 @@ Never does: HTTP, request parsing or Ray; drafts are opened through the
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
+import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
+from specserve.target.worker_hook import sequence_id
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -54,8 +63,9 @@ class DraftStream(Protocol):
     def close(self) -> None: ...
 
 
-OpenDraft = Callable[[str, str, list[int], int, int], DraftStream]
-"""open_draft(pool, request_id, prompt_ids, max_tokens, k) -> a running draft stream."""
+OpenDraft = Callable[[str, str, list[int], int, int, str], DraftStream]
+"""open_draft(pool, request_id, prompt_ids, max_tokens, k, ticket) -> a running
+draft stream; request_id and ticket as registered with the sink."""
 
 
 def refusal(params, on_cpu: bool) -> tuple[str, str] | None:
@@ -89,6 +99,7 @@ class DraftingEngine:
         self.target_replica = target_replica
         self._live = live
         self._on_cpu = on_cpu
+        self._pending: set[asyncio.Task] = set()  # unregistrations in flight
 
     def __getattr__(self, name):  # the rest of the EngineClient is the engine's
         return getattr(self._engine, name)
@@ -111,17 +122,17 @@ class DraftingEngine:
         ids = prompt_token_ids(prompt)
         k = min(route.k, self.k_max) if route is not None and route.draft else 0
         n = max(params.n, 1)
-        drafts: list[DraftStream] = []
+        drafts: dict[int, DraftStream] = {}
         started = time.monotonic()
         first_at: dict[int, float] = {}
         tokens: dict[int, int] = {}
         delta = params.output_kind == RequestOutputKind.DELTA
+        opening = None
+        if k > 0 and ids:
+            # 2. Registered first, then drafted for; the engine does not wait.
+            opening = asyncio.create_task(self._open_drafts(
+                route.draft, request_id, ids, params.max_tokens or 0, k, n, drafts))
         try:
-            # 2. One draft stream per sequence of this engine request.
-            if k > 0 and ids:
-                for i in range(n):
-                    rid = request_id if n == 1 else f"{request_id}/{i}"
-                    drafts.append(self._open_draft(route.draft, rid, ids, params.max_tokens or 0, k))
             async for out in self._engine.generate(prompt, params, request_id, **kwargs):
                 # 3. vLLM's outputs go on unchanged; finished sequences are recorded.
                 for o in out.outputs:
@@ -132,14 +143,45 @@ class DraftingEngine:
                         first_at[i] = time.monotonic()
                     if o.finish_reason is not None and route is not None:
                         route.records.append(self._record(
-                            o, tokens[i], drafts[i] if i < len(drafts) else None, k,
+                            o, tokens[i], drafts.get(i), k,
                             first_at.get(i, time.monotonic()) - started,
                             time.monotonic() - started))
                 yield out
         finally:
             # 4. Drafting lasts as long as the engine request.
-            for d in drafts:
-                d.close()
+            if opening is not None:
+                opening.cancel()
+                for d in drafts.values():
+                    d.close()
+                task = asyncio.create_task(self._unregister(
+                    [sequence_id(request_id, i, n) for i in range(n)]))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+
+    async def _open_drafts(self, pool: str, request_id: str, ids: list[int], max_tokens: int,
+                           k: int, n: int, drafts: dict) -> None:
+        end = len(ids) + max_tokens if max_tokens else 0
+        for i in range(n):
+            sid = sequence_id(request_id, i, n)
+            ticket = secrets.token_urlsafe(16)
+            try:
+                done = await self._engine.collective_rpc(
+                    "specserve_register", args=(sid, ids, ticket, k, end))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # drafts are hints: the sequence runs alone
+                log.warning("could not register %s with the draft sink: %s", sid, e)
+                return
+            if any(done):
+                drafts[i] = self._open_draft(pool, sid, ids, max_tokens, k, ticket)
+
+    async def _unregister(self, sequence_ids: list[str]) -> None:
+        for sid in sequence_ids:
+            try:
+                await self._engine.collective_rpc("specserve_unregister", args=(sid,))
+            except Exception as e:  # the engine is gone: so is its sink
+                log.debug("could not unregister %s: %s", sid, e)
+                return
 
     def _record(self, output, output_tokens: int, draft: DraftStream | None, k: int,
                 ttft: float, duration: float) -> RequestRecord:

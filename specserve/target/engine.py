@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.control.stepcost import StepCostFit
-from specserve.target import proposer
+from specserve.target import proposer, worker_hook
 
 log = logging.getLogger(__name__)
 
@@ -329,6 +329,8 @@ class TargetEngine:
                 env.update(tls.to_env())
             extra["speculative_config"] = proposer.speculative_config(
                 k, os.environ.get(ENV_PROPOSER_CLASS) or proposer.CLASS_PATH)
+            # The engine client registers requests with the sink through it.
+            extra["worker_extension_cls"] = worker_hook.CLASS_PATH
         if "speculative_config" in extra:
             # vLLM's own per-request acceptance (a histogram of accepted counts
             # per verify step), returned with each finished request.

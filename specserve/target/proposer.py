@@ -6,7 +6,9 @@ The target engine is built with
                         "num_speculative_tokens": K}
 and vLLM instantiates this class in every worker. In TP rank 0 `load_model`
 starts the draft sink (gRPC) on SPECSERVE_SINK_ADDRESS; other ranks propose
-nothing (vLLM uses rank 0's drafts). `propose` runs inside the engine step: it
+nothing (vLLM uses rank 0's drafts). Rows are found by request id: the
+worker hook (`specserve.target.worker_hook`) hands the proposer vLLM's input
+batch, whose `req_ids` name each row. `propose` runs inside the engine step: it
 reads what the sink has buffered and returns at once, except for the bounded
 wait after a rejection (specserve/target/sink.py; never longer than
 SPECSERVE_SINK_MAX_WAIT_MS, and only when the rate model says it pays).
@@ -29,6 +31,7 @@ import logging
 import os
 
 from specserve import logs
+from specserve.target import worker_hook
 from specserve.target.sink import DraftSink
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,25 @@ class RemoteDraftProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.sink: DraftSink | None = None
+        self._batch = None  # vLLM's input batch (its req_ids name the rows)
+        self._randomized = worker_hook.ids_randomized()
+        self._row_ids: list = []  # the batch's row ids at the last step ...
+        self._keys: list = []  # ... and the sink's keys for them
+
+    def attach_batch(self, input_batch) -> None:
+        """The model runner's input batch (`req_ids`: each row's vLLM request id)."""
+        self._batch = input_batch
+
+    def row_keys(self, n: int) -> list | None:
+        """The sink's key of each of the first n rows (None: no batch attached).
+        Recomputed only when the batch's rows changed since the last step."""
+        if self._batch is None:
+            return None
+        ids = self._batch.req_ids[:n]
+        if ids != self._row_ids:
+            self._row_ids = ids
+            self._keys = [worker_hook.row_key(r, self._randomized) for r in ids]
+        return self._keys
 
     def load_model(self, *args, **kwargs) -> None:
         # vLLM calls this once per worker after the target model is loaded.
@@ -102,7 +124,7 @@ class RemoteDraftProposer:
         active = [bool(s) for s in sampled_token_ids]
         # Never draft past the context: vLLM would refuse the positions.
         k = self.k
-        proposals = self.sink.propose(histories, active, k)
+        proposals = self.sink.propose(histories, active, k, keys=self.row_keys(n))
         for i, p in enumerate(proposals):
             room = self.max_model_len - len(histories[i]) - 1
             if len(p) > room:

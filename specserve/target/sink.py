@@ -4,6 +4,14 @@ Owns the DraftSink gRPC server (one per target replica, in TP rank 0), the
 streams of connected drafts, and the lock around the draft book. Converts
 protobuf messages to book calls and back at this edge only.
 
+The target owns every request: its engine client registers each one (id,
+prompt, K, end and a ticket it gives only to the draft it chose) through
+`register` before the request's first step, and `unregister`s it when it ends.
+A draft stream can only attach to a registered id whose ticket it presents, and
+extend the requests it attached to; rows are found by request id
+(`specserve.target.book`). A client of the draft port with no ticket learns
+nothing and changes nothing.
+
 Never blocks the engine beyond a bound: `propose()` takes the lock for the
 book's in-memory matching and hands verified updates to per-stream bounded
 queues without waiting. Then, only if rows that had drafts at their last step
@@ -22,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import hmac
 import logging
 import queue
 import threading
@@ -35,7 +44,7 @@ import numpy as np
 from specserve.acceptance.record import percentile
 from specserve.control import policy
 from specserve.control.stepcost import StepCostFit
-from specserve.target.book import RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
+from specserve.target.book import NOT_FOUND, RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -131,6 +140,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         self._retired: dict[str, BookStats] = {}  # figures of closed streams, by draft
         self._waits: dict[str, WaitFigures] = {}
         self._streams: dict[int, _Stream] = {}
+        self._tickets: dict[str, str] = {}  # request id -> the ticket its draft must present
         self._ids = itertools.count(1)
         self._max_queued = max_queued_updates
         self._server: grpc.Server | None = None
@@ -139,12 +149,32 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
 
     # ---- the engine side ------------------------------------------------------
 
+    def register(self, request_id: str, prompt: Sequence[int], ticket: str, k: int = 0,
+                 end: int = 0) -> None:
+        """The target's registration of one engine request (before its first
+        step). Raises BookError (too many open, a bad prompt, already there)."""
+        if not ticket:
+            raise BookError(3, "a registration needs a ticket")
+        with self._lock:
+            self._book.register(request_id, prompt, k=k, end=end)
+            self._tickets[request_id] = ticket
+
+    def unregister(self, request_id: str) -> None:
+        """The target is done with a request: its entry goes; a draft still
+        drafting for it hears nothing more and its messages get NOT_FOUND."""
+        with self._lock:
+            self._book.unregister(request_id)
+            self._tickets.pop(request_id, None)
+            self._miss_sent.pop(request_id, None)
+
     def propose(
         self,
         histories: Sequence[np.ndarray],
         active: Sequence[bool],
         k: int,
+        keys: Sequence[str | None] | None = None,
     ) -> list[list[int]]:
+        """keys[i]: the request id of row i (None: unknown; no drafts)."""
         start = time.monotonic()
         with self._lock:
             if self._last_propose is not None and start - self._last_propose < 2.0:
@@ -156,21 +186,23 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     self._cost_steps += 1
                     if self._cost is None or self._cost_steps % COST_REFIT == 0:
                         self._cost = self._cost_fit.cost()  # (not every step: the engine waits)
-            proposals, updates = self._book.propose(histories, k, max_advance=k + 1, active=active)
+            proposals, updates = self._book.propose(histories, k, max_advance=k + 1,
+                                                    active=active, keys=keys)
             misses = list(self._book.misses)
             streams = dict(self._streams)
             for _, key in misses:
                 self._miss_sent[key] = [start, None]
             if len(self._miss_sent) > 4 * len(histories) + 64:
                 self._miss_sent.clear()  # forgotten rows; the next misses remeasure
-            names = {streams[key[0]].name for _, key in misses if key[0] in streams}
+            names = {streams[sid].name for sid in
+                     (self._book.stream_of(key) for _, key in misses) if sid in streams}
         for u in updates:
-            stream = streams.get(u.key[0])
+            stream = streams.get(u.stream)
             if stream is not None:
                 stream.send(
                     spec_pb2.SinkMessage(
                         verified=spec_pb2.Verified(
-                            request_id=u.key[1], position=u.position, token_ids=u.token_ids
+                            request_id=u.key, position=u.position, token_ids=u.token_ids
                         )
                     )
                 )
@@ -188,12 +220,12 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                         w.wait_seconds += waited
         with self._lock:
             released = self._book.release_uncovered()
-        for key, steps in released:
+        for key, steps, sid in released:
             # Its drafts came too late this many steps in a row: tell its draft.
-            stream = streams.get(key[0])
+            stream = streams.get(sid)
             if stream is not None:
                 stream.send(spec_pb2.SinkMessage(release=spec_pb2.Release(
-                    request_id=key[1], uncovered_steps=steps)))
+                    request_id=key, uncovered_steps=steps)))
         with self._lock:
             for name in {s_.name for s_ in streams.values()}:
                 self._waits.setdefault(name, WaitFigures()).steps += 1
@@ -309,11 +341,11 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         finally:
             with self._lock:
                 self._streams.pop(stream.id, None)
-                dropped = self._book.close_all(stream.id)
+                dropped = self._book.close_all(stream.id)  # detached, still registered
                 st = self._book.stream_stats.pop(stream.id, None)
                 if st is not None:
                     self._retired.setdefault(stream.name, BookStats()).add(st)
-            log.info("draft stream %d closed (%d requests dropped); book: %s",
+            log.info("draft stream %d closed (%d requests detached); book: %s",
                      stream.id, dropped, self._book.stats)
         if stream.abort is not None:
             context.abort(*stream.abort)
@@ -339,21 +371,25 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             with self._lock:
                 if kind == "open":
                     rid = msg.open.request_id
-                    self._book.open((stream.id, rid), msg.open.prompt_token_ids,
-                                    k=msg.open.max_draft_tokens, end=msg.open.end_position)
+                    ticket = self._tickets.get(rid)
+                    if ticket is None or not hmac.compare_digest(ticket.encode(),
+                                                                 msg.open.ticket.encode()):
+                        # the same answer for an unknown id and a wrong ticket
+                        raise BookError(NOT_FOUND, f"unknown request {rid!r}")
+                    self._book.attach(rid, stream.id, known=msg.open.verified_position)
                 elif kind == "draft":
                     rid = msg.draft.request_id
-                    key = (stream.id, rid)
                     added = self._book.extend(
-                        key, msg.draft.position, msg.draft.token_ids,
+                        rid, msg.draft.position, msg.draft.token_ids,
                         branches=[(b.fork_position, b.token_ids) for b in msg.draft.branches],
+                        stream=stream.id,
                     )
                     if added:
-                        self._measure_draft(key, added)
+                        self._measure_draft(rid, added)
                         self._arrived.notify_all()
                 elif kind == "close":
                     rid = msg.close.request_id
-                    self._book.close((stream.id, rid))
+                    self._book.detach(rid, stream.id)
                 else:
                     raise BookError(3, "empty DraftMessage: set open, draft or close")
         except BookError as e:

@@ -17,16 +17,14 @@ class DraftMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftTokens, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "max_draft_tokens", "end_position")
+    __slots__ = ("request_id", "ticket", "verified_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    max_draft_tokens: int
-    end_position: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
+    ticket: str
+    verified_position: int
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., verified_position: _Optional[int] = ...) -> None: ...
 
 class DraftTokens(_message.Message):
     __slots__ = ("request_id", "position", "token_ids", "branches")
@@ -124,20 +122,22 @@ class DraftFigures(_message.Message):
     def __init__(self, draft: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., waits: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StartDraft(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sink_address", "lookahead", "max_tokens", "max_draft_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "ticket", "sink_address", "lookahead", "max_tokens", "max_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     SINK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ticket: str
     sink_address: str
     lookahead: int
     max_tokens: int
     max_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sink_address: _Optional[str] = ..., lookahead: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ticket: _Optional[str] = ..., sink_address: _Optional[str] = ..., lookahead: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class CancelDraft(_message.Message):
     __slots__ = ("request_id",)

@@ -31,14 +31,12 @@ class FakeModel:
 class FakeLink:
     def __init__(self):
         self.opened = {}
-        self.ends = {}  # rid -> where its output ends (end_position)
         self.drafts = []
         self.branches = []  # per send: [(fork position, tokens)]
         self.closed = []
 
-    def open(self, rid, prompt, k=0, end=0):
-        self.opened[rid] = list(prompt)
-        self.ends[rid] = end
+    def open(self, rid, ticket, verified_position=0):
+        self.opened[rid] = ticket
 
     def send_draft(self, rid, position, tokens, branches=()):
         self.drafts.append((rid, position, list(tokens)))
@@ -74,7 +72,7 @@ def test_runs_ahead_to_the_lookahead_and_streams_each_token():
         runner, link = make()
         runner.start("r", [1, 2], "sink:1", lookahead=5, max_tokens=100)
         await settle()
-        assert link.ends["r"] == 2 + 100  # the sink learns where the output ends
+        assert link.opened["r"] == ""  # no ticket given: the sink would refuse it
         full = expected([1, 2], 5)
         # One message per token, each the whole window from the verified position.
         assert [d[2] for d in link.drafts] == [full[2 : 2 + i] for i in range(1, 6)]

@@ -1,4 +1,5 @@
-"""The draft book alone: matching drafts to rows by history, bounds, stale drafts."""
+"""The draft book alone: rows found by request key, positions confirmed by the
+tokens gained, bounds, stale drafts, registration and attachment."""
 
 import numpy as np
 import pytest
@@ -29,28 +30,51 @@ def test_proposes_drafts_for_the_row_whose_history_prefixes_them():
     b.open(("s", "r1"), [1, 2, 3])
     b.extend(("s", "r1"), 3, [10, 11, 12, 13, 14])
     # After prefill the target sampled 10: history [1 2 3 10].
-    props, updates = b.propose([h(1, 2, 3, 10)], K, K + 1)
+    props, updates = b.propose([h(1, 2, 3, 10)], K, K + 1, keys=[("s", "r1")])
     assert props == [[11, 12, 13]]
     assert [(u.key, u.position, u.token_ids) for u in updates] == [(("s", "r1"), 3, [10])]
 
 
-def test_row_order_does_not_matter_and_unrelated_rows_get_nothing():
+def test_rows_are_found_by_key_and_unknown_rows_get_nothing():
     b = book()
     b.open(("s", "a"), [1, 2])
     b.extend(("s", "a"), 2, [5, 6, 7])
     b.open(("s", "b"), [3, 4])
     b.extend(("s", "b"), 2, [8, 9])
-    props, _ = b.propose([h(9, 9, 9), h(3, 4, 8), h(1, 2, 5)], K, K + 1)
-    assert props == [[], [9], [6, 7]]
+    props, _ = b.propose([h(9, 9, 9), h(3, 4, 8), h(1, 2, 5), h(1, 2, 5)], K, K + 1,
+                         keys=[("s", "x"), ("s", "b"), ("s", "a"), None])
+    assert props == [[], [9], [6, 7], []]
+    # Without keys nothing is matched, whatever the histories.
+    assert b.propose([h(3, 4, 8, 9)], K, K + 1)[0] == [[]]
+
+
+def test_a_history_that_agrees_with_a_prompt_is_not_enough():
+    """A row is never matched by its tokens: another request's row with the
+    same prompt gets nothing, and nothing of it is reported."""
+    b = book()
+    b.open(("s", "a"), [1, 2])
+    b.extend(("s", "a"), 2, [5, 6, 7])
+    props, updates = b.propose([h(1, 2, 5)], K, K + 1, keys=[("t", "other")])
+    assert props == [[]] and updates == []
+
+
+def test_only_the_tokens_gained_are_read():
+    """The step reads the row's history from the verified position on: a
+    prompt the row does not share is never compared (the row is the key's)."""
+    b = book()
+    b.open(("s", "r"), [1, 2, 3])
+    b.extend(("s", "r"), 3, [10, 11, 12])
+    props, _ = b.propose([h(7, 7, 7, 10)], K, K + 1, keys=[("s", "r")])
+    assert props == [[11, 12]]
 
 
 def test_rejection_drops_pending_drafts_and_reports_the_recovered_token():
     b = book()
     b.open(("s", "r"), [1, 2])
     b.extend(("s", "r"), 2, [5, 6, 7, 8])
-    b.propose([h(1, 2, 5)], K, K + 1)  # verified up to 3
+    b.propose([h(1, 2, 5)], K, K + 1, keys=[("s", "r")])  # verified up to 3
     # The target accepted 6 and then sampled 40 instead of 7.
-    props, updates = b.propose([h(1, 2, 5, 6, 40)], K, K + 1)
+    props, updates = b.propose([h(1, 2, 5, 6, 40)], K, K + 1, keys=[("s", "r")])
     assert props == [[]]
     assert updates[0].position == 3 and updates[0].token_ids == [6, 40]
     seq, verified = b.sequence(("s", "r"))
@@ -59,7 +83,7 @@ def test_rejection_drops_pending_drafts_and_reports_the_recovered_token():
     assert b.extend(("s", "r"), 3, [6, 7, 8, 9]) == 0
     # ... and one built on the target's history is taken.
     assert b.extend(("s", "r"), 5, [41, 42]) == 2
-    props, _ = b.propose([h(1, 2, 5, 6, 40, 41)], K, K + 1)
+    props, _ = b.propose([h(1, 2, 5, 6, 40, 41)], K, K + 1, keys=[("s", "r")])
     assert props == [[42]]
 
 
@@ -82,20 +106,20 @@ def test_target_running_past_the_drafts_keeps_matching():
     # No drafts: the target decodes alone for several steps (1 token per step).
     for n in range(3, 9):
         hist = h(*range(1, n + 1))
-        props, _ = b.propose([hist], K, K + 1)
+        props, _ = b.propose([hist], K, K + 1, keys=[("s", "r")])
         assert props == [[]]
     assert b.sequence(("s", "r"))[1] == 8
     b.extend(("s", "r"), 8, [9, 10])
-    props, _ = b.propose([h(*range(1, 9))], K, K + 1)
+    props, _ = b.propose([h(*range(1, 9))], K, K + 1, keys=[("s", "r")])
     assert props == [[9, 10]]
 
 
-def test_late_open_is_found_by_the_slow_path():
+def test_a_late_open_catches_up_with_the_row():
     b = book()
     b.open(("s", "r"), [7, 7])
     b.extend(("s", "r"), 2, [1, 2, 3, 4, 5, 6, 7, 8])
     # The target is already 5 tokens past the prompt (more than K+1 ahead).
-    props, updates = b.propose([h(7, 7, 1, 2, 3, 4, 5)], K, K + 1)
+    props, updates = b.propose([h(7, 7, 1, 2, 3, 4, 5)], K, K + 1, keys=[("s", "r")])
     assert props == [[6, 7, 8]]
     assert updates[0].token_ids == [1, 2, 3, 4, 5]
 
@@ -104,7 +128,7 @@ def test_partial_prefill_rows_are_left_alone():
     b = book()
     b.open(("s", "r"), [1, 2])
     b.extend(("s", "r"), 2, [3, 4])
-    props, updates = b.propose([h(1, 2)], K, K + 1, active=[False])
+    props, updates = b.propose([h(1, 2)], K, K + 1, active=[False], keys=[("s", "r")])
     assert props == [[]] and updates == []
 
 
@@ -113,7 +137,8 @@ def test_two_rows_with_the_same_history_take_two_requests():
     for rid in ("a", "b"):
         b.open(("s", rid), [1, 2])
         b.extend(("s", rid), 2, [3, 4, 5])
-    props, updates = b.propose([h(1, 2, 3), h(1, 2, 3)], K, K + 1)
+    props, updates = b.propose([h(1, 2, 3), h(1, 2, 3)], K, K + 1,
+                               keys=[("s", "a"), ("s", "b")])
     assert props == [[4, 5], [4, 5]]
     assert {u.key for u in updates} == {("s", "a"), ("s", "b")}
 
@@ -124,7 +149,7 @@ def test_pending_drafts_are_bounded_per_request():
     assert b.extend(("s", "r"), 1, list(range(10, 30))) == 4
     assert b.sequence(("s", "r"))[0] == [1, 10, 11, 12, 13]
     # Room opens as the target verifies.
-    b.propose([h(1, 10, 11)], K, K + 1)
+    b.propose([h(1, 10, 11)], K, K + 1, keys=[("s", "r")])
     assert b.extend(("s", "r"), 3, [12, 13, 14, 15, 16]) == 2
 
 
@@ -159,10 +184,14 @@ def test_close_all_drops_only_that_streams_requests():
     b.open((1, "x"), [1])
     b.open((1, "y"), [2])
     b.open((2, "x"), [3])
+    b.extend((1, "x"), 1, [5, 6])
+    b.extend((2, "x"), 1, [5, 6])
     assert b.close_all(1) == 2
-    assert (2, "x") in b and (1, "x") not in b
-    props, _ = b.propose([h(1, 5), h(3, 5)], K, K + 1)
-    assert props == [[], []]
+    # detached, still the target's; the other stream's request keeps its drafts
+    assert (1, "x") in b and (2, "x") in b
+    props, updates = b.propose([h(1, 5), h(3, 5)], K, K + 1, keys=[(1, "x"), (2, "x")])
+    assert props == [[], [6]]
+    assert [u.key for u in updates] == [(2, "x")]  # nothing goes to a stream that left
 
 
 def test_request_ids_are_scoped_to_their_stream():
@@ -195,7 +224,7 @@ def test_same_prompt_rows_bind_to_the_request_whose_drafts_they_follow():
     b.open(("s", "b"), [1, 2])
     b.extend(("s", "b"), 2, [7, 8, 9])
     # Sampling sent the two rows different ways; each finds its own branch.
-    props, _ = b.propose([h(1, 2, 7), h(1, 2, 3)], K, K + 1)
+    props, _ = b.propose([h(1, 2, 7), h(1, 2, 3)], K, K + 1, keys=[("s", "b"), ("s", "a")])
     assert props == [[8, 9], [4, 5]]
 
 
@@ -203,7 +232,7 @@ def test_a_request_opened_with_its_own_k_gets_at_most_k_tokens():
     b = book()
     b.open(("s", "r"), [1], k=2)
     b.extend(("s", "r"), 1, [2, 3, 4, 5, 6])
-    props, _ = b.propose([h(1, 2)], 4, 5)
+    props, _ = b.propose([h(1, 2)], 4, 5, keys=[("s", "r")])
     assert props == [[3, 4]]
 
 
@@ -215,8 +244,8 @@ def _rejected_at_40(b, branches):
     samples 40 instead of 7."""
     b.open(("s", "r"), [1, 2])
     b.extend(("s", "r"), 2, [5, 6, 7, 8], branches=branches)
-    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
-    return b.propose([h(1, 2, 5, 6, 40)], K, K + 1)
+    assert b.propose([h(1, 2, 5)], K, K + 1, keys=[("s", "r")])[0] == [[6, 7, 8]]
+    return b.propose([h(1, 2, 5, 6, 40)], K, K + 1, keys=[("s", "r")])
 
 
 def test_a_branch_with_the_targets_token_is_proposed_right_after_the_rejection():
@@ -230,7 +259,7 @@ def test_a_branch_with_the_targets_token_is_proposed_right_after_the_rejection()
     assert b.branch_tokens == 0 and not b.misses  # the other branch is gone, the hit adopted
     # The next step follows the adopted branch like any draft.
     b.extend(("s", "r"), 5, [41, 42, 43, 44, 45, 46])
-    assert b.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1)[0] == [[45, 46]]
+    assert b.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1, keys=[("s", "r")])[0] == [[45, 46]]
     assert b.stats.steps_after_accepted == 1 and b.stats.covered_after_accepted == 1
     assert b.stats.accepted_tokens == 1 + 3
 
@@ -241,7 +270,7 @@ def test_a_miss_is_listed_for_the_wait_and_refilled_when_drafts_arrive():
     assert props == [[]]
     assert b.misses == [(0, ("s", "r"))] and b.stats.wait_rows == 1
     assert b.refill([h(1, 2, 5, 6, 40)], K) == {}  # nothing arrived yet
-    b.propose([h(9, 9)], K, K + 1)  # another step: the miss list is per step
+    b.propose([h(9, 9)], K, K + 1, keys=[None])  # another step: the miss list is per step
     assert b.misses == []
     b2 = book()
     _rejected_at_40(b2, [])
@@ -249,7 +278,7 @@ def test_a_miss_is_listed_for_the_wait_and_refilled_when_drafts_arrive():
     assert b2.refill([h(1, 2, 5, 6, 40)], K) == {0: [41, 42, 43]}
     assert (b2.stats.wait_hits, b2.stats.covered_after_rejected) == (1, 1)
     # The refilled proposal is judged like any other at the next step.
-    b2.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1)
+    b2.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1, keys=[("s", "r")])
     assert b2.stats.accepted_tokens == 1 + 3
 
 
@@ -260,8 +289,8 @@ def test_a_finished_row_is_not_a_step_nor_a_miss():
     b = book()
     b.open(("s", "r"), [1, 2], end=7)  # 5 output tokens
     b.extend(("s", "r"), 2, [5, 6, 7, 8])
-    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
-    props, updates = b.propose([h(1, 2, 5, 6, 7, 8, 9)], K, K + 1)  # all accepted: done
+    assert b.propose([h(1, 2, 5)], K, K + 1, keys=[("s", "r")])[0] == [[6, 7, 8]]
+    props, updates = b.propose([h(1, 2, 5, 6, 7, 8, 9)], K, K + 1, keys=[("s", "r")])  # all accepted: done
     assert props == [[]] and b.misses == []
     assert updates[0].token_ids == [6, 7, 8, 9]  # still reported
     s = b.stats
@@ -270,8 +299,8 @@ def test_a_finished_row_is_not_a_step_nor_a_miss():
     b2 = book()
     b2.open(("s", "r"), [1, 2])
     b2.extend(("s", "r"), 2, [5, 6, 7, 8])
-    b2.propose([h(1, 2, 5)], K, K + 1)
-    assert b2.propose([h(1, 2, 5, 6, 7, 8, 9)], K, K + 1)[0] == [[]]
+    b2.propose([h(1, 2, 5)], K, K + 1, keys=[("s", "r")])
+    assert b2.propose([h(1, 2, 5, 6, 7, 8, 9)], K, K + 1, keys=[("s", "r")])[0] == [[]]
     assert b2.misses == [(0, ("s", "r"))] and b2.stats.steps_after_accepted == 1
 
 
@@ -279,7 +308,7 @@ def test_branches_at_unknown_positions_or_without_an_alternative_are_dropped():
     b = book()
     b.open(("s", "r"), [1, 2])
     b.extend(("s", "r"), 2, [5, 6, 7, 8])
-    b.propose([h(1, 2, 5, 6)], K, K + 1)  # verified through 6 (position 3)
+    b.propose([h(1, 2, 5, 6)], K, K + 1, keys=[("s", "r")])  # verified through 6 (position 3)
     bad = [(3, [41, 42]),  # forks at a verified position
            (1, [41]),  # inside the prompt
            (9, [41]),  # past the window
@@ -290,7 +319,7 @@ def test_branches_at_unknown_positions_or_without_an_alternative_are_dropped():
     # A stale message's branches go with it.
     b.extend(("s", "r"), 2, [5, 99, 7], branches=[(4, [70, 71])])
     assert b.stats.branches_dropped == len(bad) + 1 and b.branch_tokens == 0
-    assert b.propose([h(1, 2, 5, 6, 7)], K, K + 1)[0] == [[8]]
+    assert b.propose([h(1, 2, 5, 6, 7)], K, K + 1, keys=[("s", "r")])[0] == [[8]]
 
 
 def test_branch_floods_are_cut_at_the_bounds():
@@ -311,7 +340,7 @@ def test_branches_die_when_their_position_is_verified_or_s_changes_before_them()
     b.open(("s", "r"), [1, 2])
     b.extend(("s", "r"), 2, [5, 6, 7, 8], branches=[(3, [60, 61]), (5, [80, 81])])
     assert b.branch_tokens == 4
-    b.propose([h(1, 2, 5, 6)], K, K + 1)  # position 3 verified as 6: (3, 60) is dead
+    b.propose([h(1, 2, 5, 6)], K, K + 1, keys=[("s", "r")])  # position 3 verified as 6: (3, 60) is dead
     assert b.branch_tokens == 2
     # A newer window for the same verified history replaces S from position 4 on,
     # and the branch that forked off the old S there goes too.
@@ -334,7 +363,7 @@ def test_hostile_branches_keep_memory_bounded():
         b.extend(("s", rid), pos, rng.integers(0, 100, 4).tolist(), branches=branches)
         if step % 7 == 0:
             hist = [h(1, 2, 3, *rng.integers(0, 100, int(rng.integers(0, 3))).tolist())]
-            b.propose(hist, K, K + 1)
+            b.propose(hist, K, K + 1, keys=[("s", rid)])
         assert b.branch_tokens <= 100
     total = sum(e.branch_tokens for e in b._entries.values())
     assert total == b.branch_tokens
@@ -351,10 +380,10 @@ def test_conditional_acceptance_is_exact_with_short_windows():
     b = book()
     b.open(("s", "r"), [1])
     b.extend(("s", "r"), 1, [2, 3])
-    assert b.propose([h(1, 2)], K, K + 1)[0] == [[3]]  # a window of one
+    assert b.propose([h(1, 2)], K, K + 1, keys=[("s", "r")])[0] == [[3]]  # a window of one
     b.extend(("s", "r"), 3, [4, 5, 6])
-    assert b.propose([h(1, 2, 3, 4)], K, K + 1)[0] == [[5, 6]]  # 3 accepted, bonus 4
-    b.propose([h(1, 2, 3, 4, 9)], K, K + 1)  # 5 rejected
+    assert b.propose([h(1, 2, 3, 4)], K, K + 1, keys=[("s", "r")])[0] == [[5, 6]]  # 3 accepted, bonus 4
+    b.propose([h(1, 2, 3, 4, 9)], K, K + 1, keys=[("s", "r")])  # 5 rejected
     s = b.stats
     assert (s.accepted_tokens, s.alpha_trials) == (1, 2) and s.alpha == 0.5
     assert (s.steps_after_accepted, s.steps_after_rejected) == (1, 1)
@@ -369,9 +398,9 @@ def test_stats_are_kept_per_stream_too():
     b.open((2, "r"), [3, 4])
     b.extend((1, "r"), 2, [5, 6], branches=[(2, [7, 8])])
     b.extend((2, "r"), 2, [9])
-    b.propose([h(1, 2, 7), h(3, 4, 9)], K, K + 1)
+    b.propose([h(1, 2, 7), h(3, 4, 9)], K, K + 1, keys=[(1, "r"), (2, "r")])
     assert b.stream_stats[1].branch_messages == 1 and b.stream_stats[2].branch_messages == 0
-    b.propose([h(1, 2, 7, 8), h(3, 4, 9, 10)], K, K + 1)
+    b.propose([h(1, 2, 7, 8), h(3, 4, 9, 10)], K, K + 1, keys=[(1, "r"), (2, "r")])
     total = BookStats()
     for st in b.stream_stats.values():
         total.add(st)
@@ -385,8 +414,8 @@ def test_a_wrong_token_after_the_accepted_window_is_a_rejection_too():
     b = book()
     b.open(("s", "r"), [1, 2])
     b.extend(("s", "r"), 2, [5, 6, 7, 8, 9], branches=[(6, [60, 61, 62])])
-    assert b.propose([h(1, 2, 5)], K, K + 1)[0] == [[6, 7, 8]]
-    props, _ = b.propose([h(1, 2, 5, 6, 7, 8, 60)], K, K + 1)  # 9 was wrong: 60
+    assert b.propose([h(1, 2, 5)], K, K + 1, keys=[("s", "r")])[0] == [[6, 7, 8]]
+    props, _ = b.propose([h(1, 2, 5, 6, 7, 8, 60)], K, K + 1, keys=[("s", "r")])  # 9 was wrong: 60
     assert props == [[61, 62]]
     s = b.stats
     assert (s.steps_after_rejected, s.branch_hits, s.accepted_tokens) == (1, 1, 3)
@@ -401,32 +430,73 @@ def test_a_request_without_drafts_for_release_after_steps_is_released():
     hist = [1, 2]
     for _ in range(2):
         hist.append(9)
-        assert b.propose([h(*hist)], K, K + 1)[0] == [[]]
+        assert b.propose([h(*hist)], K, K + 1, keys=[("s", "r")])[0] == [[]]
         assert b.release_uncovered() == []
     b.extend(("s", "r"), len(hist), [30, 31])  # drafts in time: the count starts over
-    assert b.propose([h(*hist)], K, K + 1)[0] == [[30, 31]]
+    assert b.propose([h(*hist)], K, K + 1, keys=[("s", "r")])[0] == [[30, 31]]
     hist += [30, 31, 7]
     # a step after an accepted window finds nothing (a miss) but the wait's
     # refill brings drafts: that step had drafts, so the count starts over
-    assert b.propose([h(*hist)], K, K + 1)[0] == [[]]
+    assert b.propose([h(*hist)], K, K + 1, keys=[("s", "r")])[0] == [[]]
     assert b.misses == [(0, ("s", "r"))]
     b.extend(("s", "r"), len(hist), [40])
     assert b.refill([h(*hist)], K) == {0: [40]}
     assert b.release_uncovered() == []
     hist += [40, 8]
     for n in (1, 2, 3):
-        assert b.propose([h(*hist)], K, K + 1)[0] == [[]]
+        assert b.propose([h(*hist)], K, K + 1, keys=[("s", "r")])[0] == [[]]
         hist.append(9)
-        assert b.release_uncovered() == ([(("s", "r"), 3)] if n == 3 else [])
-    assert ("s", "r") not in b and b.stats.released == 1 and b.stats.closed == 1
-    assert b.extend(("s", "r"), len(hist), [1, 2]) == 0  # in flight: dropped quietly
-    assert b.close(("s", "r")) is False  # its draft's close: nothing left
+        assert b.release_uncovered() == ([(("s", "r"), 3, "s")] if n == 3 else [])
+    # released: detached from its draft, still the target's (registered)
+    assert ("s", "r") in b and b.stats.released == 1 and b.stats.closed == 0
+    assert b.extend(("s", "r"), len(hist), [1, 2], stream="s") == 0  # in flight: dropped
+    assert b.propose([h(*hist)], K, K + 1, keys=[("s", "r")])[0] == [[]]
+    assert b.release_uncovered() == []  # a detached request is not released again
+    assert b.detach(("s", "r"), "s") is False  # its draft's close: nothing left
+    assert b.close(("s", "r")) is True  # the target's end
     with pytest.raises(BookError) as e:  # after the close it is unknown again
-        b.extend(("s", "r"), len(hist), [1, 2])
+        b.extend(("s", "r"), len(hist), [1, 2], stream="s")
     assert e.value.code == NOT_FOUND
     # never with release_after = 0
     b0 = book()
     b0.open(("s", "r"), [1, 2])
     for i in range(50):
-        b0.propose([h(1, 2, *([9] * (i + 1)))], K, K + 1)
+        b0.propose([h(1, 2, *([9] * (i + 1)))], K, K + 1, keys=[("s", "r")])
         assert b0.release_uncovered() == []
+
+
+# ---- registration: the target owns the entry, a draft attaches ----------------------
+
+
+def test_a_draft_can_only_attach_to_a_registered_request_and_only_one_draft_at_a_time():
+    b = book()
+    with pytest.raises(BookError) as e:
+        b.attach("r", stream=1)
+    assert e.value.code == NOT_FOUND
+    b.register("r", [1, 2], k=2, end=10)
+    b.attach("r", stream=1)
+    with pytest.raises(BookError) as e:
+        b.attach("r", stream=2)
+    assert e.value.code == ALREADY_EXISTS
+    with pytest.raises(BookError) as e:  # another stream cannot extend it either
+        b.extend("r", 2, [5, 6], stream=2)
+    assert e.value.code == NOT_FOUND
+    assert b.extend("r", 2, [5, 6, 7], stream=1) == 3
+    props, updates = b.propose([h(1, 2, 5)], K, K + 1, keys=["r"])
+    assert props == [[6, 7]]  # the target's K for it: 2
+    assert [(u.key, u.stream, u.token_ids) for u in updates] == [("r", 1, [5])]
+
+
+def test_a_reattached_draft_hears_what_it_missed_from_where_it_knows():
+    b = book()
+    b.register("r", [1, 2])
+    b.attach("r", stream=1)
+    b.extend("r", 2, [5, 6], stream=1)
+    b.propose([h(1, 2, 5)], K, K + 1, keys=["r"])
+    assert b.close_all(1) == 1
+    # the target decodes on alone; nothing is reported while no draft is attached
+    props, updates = b.propose([h(1, 2, 5, 6, 8)], K, K + 1, keys=["r"])
+    assert props == [[]] and updates == []
+    b.attach("r", stream=2, known=3)  # the draft knows [1 2 5]
+    props, updates = b.propose([h(1, 2, 5, 6, 8, 9)], K, K + 1, keys=["r"])
+    assert [(u.position, u.token_ids, u.stream) for u in updates] == [(3, [6, 8, 9], 2)]

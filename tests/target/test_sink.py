@@ -24,8 +24,9 @@ def sink():
 class Client:
     """A draft stream driven from the test: push messages, read replies."""
 
-    def __init__(self, port, name=None):
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    def __init__(self, sink, name=None):
+        self.sink = sink
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{sink.port}")
         self.out: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
         self.status = None
@@ -44,9 +45,15 @@ class Client:
         else:
             self.status = grpc.StatusCode.OK
 
-    def open(self, rid, prompt):
+    def open(self, rid, prompt, ticket=None):
+        """The target registers the request (as its engine client does), then
+        this draft opens it with the ticket (another one: `ticket`)."""
+        self.sink.register(rid, prompt, ticket=f"ticket-{rid}")
+        self.attach(rid, f"ticket-{rid}" if ticket is None else ticket)
+
+    def attach(self, rid, ticket, verified_position=0):
         self.out.put(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
-            request_id=rid, prompt_token_ids=prompt)))
+            request_id=rid, ticket=ticket, verified_position=verified_position)))
 
     def draft(self, rid, position, tokens, branches=()):
         self.out.put(spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
@@ -75,21 +82,47 @@ def h(*t):
 
 
 def test_drafts_flow_in_and_verified_tokens_flow_back(sink):
-    c = Client(sink.port)
+    c = Client(sink)
     c.open("r", [1, 2, 3])
     c.draft("r", 3, [4, 5, 6, 7])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 4)
-    assert sink.propose([h(1, 2, 3, 4)], [True], k=2) == [[5, 6]]
+    assert sink.propose([h(1, 2, 3, 4)], [True], k=2, keys=["r"]) == [[5, 6]]
     msg = c.reply()
     assert msg.WhichOneof("kind") == "verified"
     assert (msg.verified.request_id, msg.verified.position, list(msg.verified.token_ids)) == (
         "r", 3, [4])
     c.close()
-    assert wait_for(lambda: sink.stats()["open_requests"] == 0)
+    assert wait_for(lambda: sink.stats()["streams"] == 0)
+    assert sink.stats()["open_requests"] == 1  # the target's until it unregisters
+    sink.unregister("r")
+    assert sink.stats()["open_requests"] == 0
+
+
+def test_a_client_without_the_ticket_learns_nothing_and_changes_nothing(sink):
+    """A client of the draft port that guesses an id (or has a wrong ticket)
+    gets NOT_FOUND, the same for both, and never hears the row's tokens."""
+    good = Client(sink)
+    good.open("r", [1, 2, 3])
+    good.draft("r", 3, [4, 5, 6])
+    rogue = Client(sink)
+    rogue.attach("r", "guess")
+    err = rogue.reply().error
+    assert err.code == grpc.StatusCode.NOT_FOUND.value[0] and "ticket" not in err.message
+    rogue.attach("unknown", "")
+    assert rogue.reply().error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    rogue.draft("r", 3, [9, 9, 9])
+    assert rogue.reply().error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 3)
+    assert sink.propose([h(1, 2, 3, 4)], [True], k=2, keys=["r"]) == [[5, 6]]
+    assert good.reply().verified.token_ids == [4]
+    with pytest.raises(queue.Empty):
+        rogue.reply(timeout=0.5)
+    good.close()
+    rogue.close()
 
 
 def test_bad_requests_get_per_request_errors_and_the_stream_stays_open(sink):
-    c = Client(sink.port)
+    c = Client(sink)
     c.draft("ghost", 5, [1])
     err = c.reply().error
     assert err.request_id == "ghost" and err.code == grpc.StatusCode.NOT_FOUND.value[0]
@@ -105,22 +138,24 @@ def test_bad_requests_get_per_request_errors_and_the_stream_stays_open(sink):
     c.close()
 
 
-def test_a_stream_opening_too_many_requests_is_cut_off(sink):
-    c = Client(sink.port)
-    for i in range(20):
-        c.open(f"r{i}", [1])
-    assert wait_for(lambda: c.status is not None)
-    assert c.status == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert wait_for(lambda: sink.stats()["open_requests"] == 0)
-    # Another draft can still connect and work.
-    d = Client(sink.port)
+def test_registrations_past_the_bound_are_refused_to_the_target(sink):
+    from specserve.target.book import RESOURCE_EXHAUSTED, BookError
+
+    for i in range(8):
+        sink.register(f"r{i}", [1], ticket="t")
+    with pytest.raises(BookError) as e:
+        sink.register("r8", [1], ticket="t")  # that request runs without drafts
+    assert e.value.code == RESOURCE_EXHAUSTED
+    sink.unregister("r0")
+    d = Client(sink)
     d.open("ok", [3])
-    assert wait_for(lambda: sink.stats()["open_requests"] == 1)
+    d.draft("ok", 1, [4])
+    assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 1)
     d.close()
 
 
 def test_malformed_bytes_end_that_call_with_a_status_and_nothing_else(sink):
-    good = Client(sink.port)
+    good = Client(sink)
     good.open("r", [1, 2])
     channel = grpc.insecure_channel(f"127.0.0.1:{sink.port}")
     raw = channel.stream_stream(
@@ -134,13 +169,13 @@ def test_malformed_bytes_end_that_call_with_a_status_and_nothing_else(sink):
     channel.close()
     good.draft("r", 2, [3])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 1)
-    assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]
+    assert sink.propose([h(1, 2, 3)], [True], k=2, keys=["r"]) == [[]]
     assert good.reply().verified.token_ids == [3]
     good.close()
 
 
 def test_a_flood_stays_within_the_buffer_bounds(sink):
-    c = Client(sink.port)
+    c = Client(sink)
     c.open("r", [1])
     rng = np.random.default_rng(0)
     for _ in range(3000):
@@ -151,16 +186,15 @@ def test_a_flood_stays_within_the_buffer_bounds(sink):
     (key,) = [k for k in sink._book._entries]
     seq, verified = sink._book.sequence(key)
     assert len(seq) - verified <= 16  # max_pending
-    proposals = sink.propose([h(1)], [True], k=4)
+    proposals = sink.propose([h(1)], [True], k=4, keys=["r"])
     assert len(proposals[0]) <= 4
     c.close()
 
 
 def test_a_stream_cannot_touch_another_streams_requests(sink):
-    """Requests are keyed by (stream, request id): a second stream that names the
-    first one's request id reaches nothing of it (its drafts for the same token
-    history may still be proposed, like any draft, and are verified by the target)."""
-    a, b = Client(sink.port), Client(sink.port)
+    """A stream reaches only the requests it attached to: a second stream that
+    names the first one's request id reaches nothing of it."""
+    a, b = Client(sink), Client(sink)
     a.open("r", [1, 2, 3])
     a.draft("r", 3, [4, 5, 6])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 3)
@@ -169,7 +203,7 @@ def test_a_stream_cannot_touch_another_streams_requests(sink):
     err = b.reply().error  # (closing an unknown request is a no-op)
     assert err.request_id == "r" and err.code == grpc.StatusCode.NOT_FOUND.value[0]
     assert sink.stats()["open_requests"] == 1
-    assert sink.propose([h(1, 2, 3)], [True], k=2) == [[4, 5]]
+    assert sink.propose([h(1, 2, 3)], [True], k=2, keys=["r"]) == [[4, 5]]
     b.close()  # b going away drops b's requests only
     assert wait_for(lambda: sink.stats()["streams"] == 1)
     assert sink.stats()["open_requests"] == 1
@@ -177,10 +211,10 @@ def test_a_stream_cannot_touch_another_streams_requests(sink):
 
 
 def test_memory_stays_bounded_under_a_flood_of_big_messages():
-    """Many streams opening requests with big prompts and sending big drafts as
-    fast as they can: open requests, buffered drafts and the process's memory
-    stay bounded (the request limit cuts streams off; drafts past max_pending
-    are dropped)."""
+    """Many streams attaching to requests with big prompts (registered by the
+    target), guessing others, and sending big drafts as fast as they can:
+    buffered drafts and the process's memory stay bounded (drafts past
+    max_pending are dropped; a request has one draft at a time)."""
     import psutil
 
     sink = DraftSink(vocab_size=100, max_requests=16, max_pending=16, max_prompt_len=200_000)
@@ -190,6 +224,8 @@ def test_memory_stays_bounded_under_a_flood_of_big_messages():
     big_prompt = [1] * 150_000  # ~0.6 MB per message on the wire
     rng = np.random.default_rng(0)
     sent = [0]
+    for j in range(16):
+        sink.register(f"r{j}", big_prompt, ticket=f"t{j}")
 
     def flood(i):
         channel = grpc.insecure_channel(f"127.0.0.1:{sink.port}", options=[
@@ -198,9 +234,9 @@ def test_memory_stays_bounded_under_a_flood_of_big_messages():
         def msgs():
             n = 0
             while not stop.is_set():
-                rid = f"s{i}-r{n % 40}"
+                rid = f"r{n % 40}"  # 16 registered, 24 guessed
                 yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
-                    request_id=rid, prompt_token_ids=big_prompt))
+                    request_id=rid, ticket=f"t{n % 40}"))
                 yield spec_pb2.DraftMessage(draft=spec_pb2.DraftTokens(
                     request_id=rid, position=len(big_prompt),
                     token_ids=rng.integers(0, 100, 50_000).tolist()))
@@ -264,12 +300,13 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
         down = SinkLink(f"127.0.0.1:{dead}", lambda *a: None, lambda link: [])
         up = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: got.append(a), lambda link: [])
         await asyncio.sleep(1.0)
-        up.open("r", [1, 2])  # (before the stream is up, the snapshot would re-open it)
+        sink.register("r", [1, 2], ticket="t")
+        up.open("r", "t")  # (before the stream is up, the snapshot would re-open it)
         for _ in range(100):
-            if sink.stats()["open_requests"]:
+            if sink._book.stream_of("r") is not None:
                 break
             await asyncio.sleep(0.02)
-        assert sink.propose([h(1, 2, 3)], [True], k=2) == [[]]  # a verified update for "r"
+        assert sink.propose([h(1, 2, 3)], [True], k=2, keys=["r"]) == [[]]  # a verified update for "r"
         await asyncio.sleep(0.5)
         result = down.down_since, up.down_since
         await down.close()
@@ -301,13 +338,15 @@ def test_a_release_reaches_the_draft_runner_over_the_wire():
 
     async def main():
         runner = DraftRunner(Stuck())
-        runner.start("r", [1, 2], f"127.0.0.1:{s.port}", lookahead=4, max_tokens=50)
+        s.register("r", [1, 2], ticket="t")
+        runner.start("r", [1, 2], f"127.0.0.1:{s.port}", lookahead=4, max_tokens=50,
+                     ticket="t")
         for _ in range(200):
-            if s.stats()["open_requests"]:
+            if s.stats()["streams"] and s._book.stream_of("r") is not None:
                 break
             await asyncio.sleep(0.02)
         for hist in ([1, 2, 3], [1, 2, 3, 4]):
-            assert await asyncio.to_thread(s.propose, [h(*hist)], [True], 2) == [[]]
+            assert await asyncio.to_thread(s.propose, [h(*hist)], [True], 2, ["r"]) == [[]]
         for _ in range(200):
             if runner.stats.released:
                 break
@@ -327,13 +366,13 @@ def test_a_release_reaches_the_draft_runner_over_the_wire():
 
 
 def test_branches_travel_the_wire_and_the_figures_are_kept_per_draft(sink):
-    c = Client(sink.port, name="tiny/replica-0")
+    c = Client(sink, name="tiny/replica-0")
     c.open("r", [1, 2])
     c.draft("r", 2, [5, 6, 7, 8], branches=[(4, [40, 41, 42])])
     assert wait_for(lambda: sink.stats()["branches_buffered"] == 1)
-    assert sink.propose([h(1, 2, 5)], [True], k=3) == [[6, 7, 8]]
+    assert sink.propose([h(1, 2, 5)], [True], k=3, keys=["r"]) == [[6, 7, 8]]
     # 6 accepted, 40 instead of 7: the branch is proposed in the same step.
-    assert sink.propose([h(1, 2, 5, 6, 40)], [True], k=3) == [[41, 42]]
+    assert sink.propose([h(1, 2, 5, 6, 40)], [True], k=3, keys=["r"]) == [[41, 42]]
     stats = spec_pb2_grpc.DraftSinkStub(c.channel).Stats(spec_pb2.StatsRequest())
     (d,) = stats.drafts
     assert d.draft == "tiny/replica-0"
@@ -341,7 +380,7 @@ def test_branches_travel_the_wire_and_the_figures_are_kept_per_draft(sink):
     assert d.steps == 2 and d.waits == 0
     c.close()
     # A closed stream's figures stay, under its draft's name.
-    assert wait_for(lambda: sink.stats()["open_requests"] == 0)
+    assert wait_for(lambda: sink.stats()["streams"] == 0)
     assert sink.figures()["tiny/replica-0"][0].branch_hits == 1
 
 
@@ -354,8 +393,8 @@ def _rejected(sink, c, step_s=0.1):
     c.open("r", [1, 2])
     c.draft("r", 2, [5, 6, 7, 8, 9, 10, 11])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 7)
-    assert sink.propose([h(1, 2, 5)], [True], k=3) == [[6, 7, 8]]
-    assert sink.propose([h(1, 2, 5, 6, 7, 8, 9)], [True], k=3) == [[10, 11]]
+    assert sink.propose([h(1, 2, 5)], [True], k=3, keys=["r"]) == [[6, 7, 8]]
+    assert sink.propose([h(1, 2, 5, 6, 7, 8, 9)], [True], k=3, keys=["r"]) == [[10, 11]]
     sink._step_s = step_s  # a target of this step time (measured in a real engine)
     c.reply(), c.reply()
 
@@ -364,7 +403,7 @@ def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
     sink = DraftSink(vocab_size=100, max_pending=16, max_wait_s=0.2)
     sink.start("127.0.0.1:0")
     try:
-        c = Client(sink.port)
+        c = Client(sink)
         _rejected(sink, c)
         sink._draft_token_s = 0.03  # the draft's measured speed
 
@@ -377,7 +416,7 @@ def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
         t = threading.Thread(target=answer)
         t.start()
         t0 = time.monotonic()
-        props = sink.propose([REJECTED], [True], k=3)
+        props = sink.propose([REJECTED], [True], k=3, keys=["r"])
         waited = time.monotonic() - t0
         t.join()
         assert props == [[41, 42, 43]]
@@ -422,11 +461,11 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
     sink = DraftSink(vocab_size=100, max_pending=16, max_wait_s=0.08)
     sink.start("127.0.0.1:0")
     try:
-        c = Client(sink.port)
+        c = Client(sink)
         _rejected(sink, c)
         sink._draft_token_s = 0.01
         t0 = time.monotonic()
-        assert sink.propose([REJECTED], [True], k=3) == [[]]  # nothing ever comes
+        assert sink.propose([REJECTED], [True], k=3, keys=["r"]) == [[]]  # nothing ever comes
         bound = sink.wait_bound(rows=1, waiting_rows=1, k=3)
         assert 0 < bound <= 0.08
         assert time.monotonic() - t0 < bound + 0.05
@@ -457,14 +496,14 @@ def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
     s = DraftSink(vocab_size=100, max_requests=8, max_pending=16, release_after=3)
     s.start("127.0.0.1:0")
     try:
-        c = Client(s.port)
+        c = Client(s)
         c.open("late", [1, 2, 3])
         c.open("keeps-up", [7, 8])
         c.draft("keeps-up", 2, list(range(50, 60)))
         assert wait_for(lambda: s.stats()["draft_tokens_buffered"] == 10)
         late, ok = [1, 2, 3], [7, 8]
         for step in range(3):
-            out = s.propose([h(*late), h(*ok)], [True, True], k=2)
+            out = s.propose([h(*late), h(*ok)], [True, True], k=2, keys=["late", "keeps-up"])
             assert out == [[], list(range(50 + 3 * step, 52 + 3 * step))], out
             late.append(10 + step)
             ok += list(range(50 + 3 * step, 53 + 3 * step))  # 2 accepted + the bonus
@@ -477,13 +516,13 @@ def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
         released = [m.release for m in replies if m.WhichOneof("kind") == "release"]
         assert [(r.request_id, r.uncovered_steps) for r in released] == [("late", 3)]
         stats = s.stats()
-        assert stats["open_requests"] == 1 and stats["released"] == 1
+        assert stats["open_requests"] == 2 and stats["released"] == 1  # still registered
         c.draft("late", 4, [5, 6])  # sent before the draft heard: dropped quietly
         c.out.put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id="late")))
         c.draft("keeps-up", 12, [1])  # (in order: the late ones came first)
         assert wait_for(lambda: s.stats()["draft_messages"] == 2)
         assert s.stats()["request_errors"] == 0
-        assert s.propose([h(*ok)], [True], k=2) == [[59, 1]]
+        assert s.propose([h(*ok)], [True], k=2, keys=["keeps-up"]) == [[59, 1]]
         c.close()
     finally:
         s.stop()
