@@ -105,7 +105,8 @@ class LocalSpec:
         self._tmp = tempfile.TemporaryDirectory(prefix="specserve-")
         self.draft_failures = 0
         self._client = None  # the DraftingEngine on the target engine, made on first use
-        self.tickets: dict[str, str] = {}  # sequence id -> its registration ticket
+        # sequence id -> (its registration ticket, its prompt ids), while it runs
+        self.tickets: dict[str, tuple[str, list[int]]] = {}
         self._closing: set = set()  # Drafter.Cancel calls in flight
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
@@ -304,7 +305,8 @@ class LocalSpec:
                     ticket: str) -> "_LocalDraft":
         """DraftingEngine's open_draft: ask the draft process to draft for one
         registered sequence (Drafter.Start), in the background."""
-        self.tickets[rid] = ticket  # tests that play the draft themselves read it here
+        # tests that play the draft themselves (sink_only) read these
+        self.tickets[rid] = (ticket, list(prompt_ids))
         return _LocalDraft(self, rid, prompt_ids, max_tokens, k if self.controller else 0,
                            ticket)
 

@@ -23,6 +23,7 @@ def pki(tmp_path_factory):
 def sink(pki):
     s = DraftSink(vocab_size=100, max_requests=8, max_pending=16)
     s.start("127.0.0.1:0", tls=TlsFiles(pki["ca"], pki["server_cert"], pki["server_key"]))
+    s.register("r", [1, 2, 3], ticket="t")  # as the target's engine client does
     yield s
     s.stop()
 
@@ -35,8 +36,7 @@ def open_one(port, credentials, options=()):
     release = threading.Event()
 
     def msgs():
-        yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(request_id="r",
-                                                              prompt_token_ids=[1, 2, 3]))
+        yield spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(request_id="r", ticket="t"))
         release.wait(5)
 
     call = spec_pb2_grpc.DraftSinkStub(channel).Connect(msgs())
@@ -66,7 +66,7 @@ def test_a_draft_with_a_certificate_from_the_ca_is_served(sink, pki):
     code, *rest = open_one(sink.port, channel_credentials(files), channel_options(files))
     try:
         assert code is None
-        assert sink.stats()["open_requests"] == 1
+        assert sink._book.stream_of("r") is not None  # attached
     finally:
         close(*rest)
 
@@ -82,7 +82,7 @@ def test_other_drafts_are_refused(sink, pki, who):
     code, *rest = open_one(sink.port, creds, [("grpc.ssl_target_name_override", SERVER_NAME)])
     try:
         assert code == grpc.StatusCode.UNAVAILABLE, code
-        assert sink.stats()["open_requests"] == 0
+        assert sink._book.stream_of("r") is None
     finally:
         close(*rest)
 

@@ -37,6 +37,16 @@ def _channel_factory(tls) -> Callable[[str], grpc.aio.Channel]:
     return lambda a: grpc.aio.secure_channel(a, creds, options=options)
 
 
+def unpack_verified(batch) -> list[tuple[str, int, list[int]]]:
+    """(request id, position, tokens) of each request in a VerifiedBatch."""
+    tokens = list(batch.token_ids)
+    out, at = [], 0
+    for rid, position, n in zip(batch.request_ids, batch.positions, batch.counts):
+        out.append((rid, position, tokens[at : at + n]))
+        at += n
+    return out
+
+
 class SinkLink:
     def __init__(
         self,
@@ -120,8 +130,8 @@ class SinkLink:
                     self.down_since = None
                     kind = msg.WhichOneof("kind")
                     if kind == "verified":
-                        v = msg.verified
-                        self._on_verified(v.request_id, v.position, list(v.token_ids))
+                        for rid, position, tokens in unpack_verified(msg.verified):
+                            self._on_verified(rid, position, tokens)
                     elif kind == "release":
                         if self._on_release is not None:
                             self._on_release(msg.release.request_id)

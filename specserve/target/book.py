@@ -13,11 +13,15 @@ knows each row's request id; the proposer hands the book that key, or None for
 a row it does not know). The target registers each request before its first
 step (`register`: prompt, K, end), so the entry is the target's; a draft can
 only `attach` to a registered entry and extend it. A step finds each row's
-entry by key (a dictionary lookup) and compares only the tokens the row gained
-since the last step (at most K + 1 in a verify step), so its cost is flat in
-the context length. Token history confirms positions; it never finds requests:
-a row whose key is unknown gets no drafts, and a draft learns the verified
-tokens only of the entries it attached to.
+entry by key (a dictionary lookup, redone only when the batch's rows change)
+and compares only the tokens the row gained since the last step (at most K + 1
+in a verify step), so its cost is flat in the context length; the step works on
+all rows at once over the store's arrays (specserve/target/book_store.py), with
+no Python loop per row. Token history confirms positions; it never finds
+requests: a row whose key is unknown gets no drafts, and a draft learns the
+verified tokens only of the entries it attached to. The book holds the last W
+positions of each S (the store's ring), not the whole history: a draft window
+that starts before them is stale.
 
 Branches (the speculation cache). Besides S, a draft may send branches: a
 branch forks at a drafted position p of S with an alternative token there, then
@@ -44,8 +48,9 @@ lie in [0, vocab_size). Breaking a bound raises BookError with a gRPC-style code
 sink turns it into a per-request error or ends the stream.
 
 Release. A request whose last `release_after` steps in a row found no drafts
-(after the bounded wait) is given up: closed, and named to the caller to tell
-its draft, whose messages for it in flight are then dropped quietly.
+(after the bounded wait) is given up: detached from its draft (it stays the
+target's), and named to the caller to tell the draft, whose messages for it in
+flight are then dropped quietly.
 """
 
 from __future__ import annotations
@@ -54,10 +59,14 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-# the book's error and update live with its entry (re-exported here)
+from specserve.target import book_store as st
+# the book's error and updates live with its entry (re-exported here)
 from specserve.target.book_entry import (ALREADY_EXISTS, INVALID_ARGUMENT, NOT_FOUND,  # noqa: F401
-                                         RESOURCE_EXHAUSTED, BookError, VerifiedUpdate, _Entry)
+                                         RESOURCE_EXHAUSTED, BookError, Verified, VerifiedUpdate,
+                                         _Entry)
 from specserve.target.book_stats import ACCEPTED, DRAFTLESS, FIRST, REJECTED, BookStats  # noqa: F401
+
+_OUTCOMES = ((st.ACCEPTED, ACCEPTED), (st.REJECTED, REJECTED), (st.DRAFTLESS, DRAFTLESS))
 
 
 class DraftBook:
@@ -71,9 +80,13 @@ class DraftBook:
         max_branch_len: int = 16,
         max_branch_tokens: int = 1 << 18,
         release_after: int = 0,
+        max_gain: int = 17,
     ):
         """release_after: give a request up once this many of its steps in a row
-        found no drafts (SpeculationConfig.release_after_steps; 0: never)."""
+        found no drafts (SpeculationConfig.release_after_steps; 0: never).
+        max_gain: the most tokens a row gains in a step on the fast path (K + 1
+        for any K up to 16); a bigger gain (a row the book lost sight of) takes
+        the row's history as S."""
         if vocab_size < 1 or max_requests < 1 or max_pending < 1:
             raise ValueError("vocab_size, max_requests and max_pending must be >= 1")
         if max_branches < 0 or max_branch_len < 1 or max_branch_tokens < 0:
@@ -86,6 +99,8 @@ class DraftBook:
         self.max_branch_len = max_branch_len
         self.max_branch_tokens = max_branch_tokens
         self.release_after = release_after
+        self.store = st.SlotStore(max_requests, max_pending, max_gain, max_branches,
+                                  max_branch_len)
         self.branch_tokens = 0  # in all entries
         self.stats = BookStats()
         # The same counters per stream (one stream: one draft replica).
@@ -95,12 +110,17 @@ class DraftBook:
         # caller's bounded wait (see refill).
         self.misses: list[tuple[int, Hashable]] = []
         self._entries: dict[Hashable, _Entry] = {}
+        self._key_of: list[Hashable] = [None] * max_requests  # slot -> key
         # Given up (release_uncovered) and not yet closed by their draft: its
         # messages for them in flight are dropped quietly. Insertion-ordered, bounded.
         self._released: dict[Hashable, Hashable] = {}  # key -> the stream it had
         self._uncovered: list[Hashable] = []  # at release_after uncovered steps now
+        self._stream_index: dict[Hashable, int] = {None: 0}  # stream -> its store index
+        self._streams: list[Hashable] = [None]
+        self._rows_cache: tuple = (None, None, -1)  # (keys, their slots, epoch)
+        self._epoch = 0  # bumped when a key's slot changes
 
-    # ---- messages from drafts -------------------------------------------------
+    # ---- messages from the target and from drafts --------------------------------
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -126,9 +146,10 @@ class DraftBook:
                 f"prompt must have 1..{self.max_prompt_len} tokens, got {len(prompt)}",
             )
         arr = self._checked_tokens(prompt)
-        entry = _Entry(arr, k)
-        entry.end = end if end > len(prompt) else None
-        self._entries[key] = entry
+        slot = self.store.take(arr, k, end if end > len(arr) else 0)
+        self._entries[key] = _Entry(self.store, slot, len(arr))
+        self._key_of[slot] = key
+        self._epoch += 1
         self.stats.opened += 1
 
     def attach(self, key: Hashable, stream: Hashable, known: int = 0) -> None:
@@ -142,8 +163,10 @@ class DraftBook:
             raise BookError(ALREADY_EXISTS, f"request {_name(key)!r} has a draft already")
         self._released.pop(key, None)
         entry.stream = stream
+        s = entry.slot
+        self.store.stream[s] = self._index_of(stream)
         self.stream_stats.setdefault(stream, BookStats())
-        entry.reported = min(max(known, entry.prompt_len), entry.verified)
+        self.store.reported[s] = min(max(known, entry.prompt_len), int(self.store.V[s]))
 
     def open(self, key: Hashable, prompt: Sequence[int], k: int = 0, end: int = 0) -> None:
         """register and attach in one (tests, tools): keys (stream, request id)
@@ -175,56 +198,59 @@ class DraftBook:
         self.stats.draft_messages += 1
         if checked:
             self._count(entry, "branch_messages", len(checked))
-        if position < entry.prompt_len or position > entry.length:
-            # Before the prompt's end is not a draft; past S's end is a gap.
+        store, s = self.store, entry.slot
+        verified, length = int(store.V[s]), int(store.L[s])
+        if position < max(entry.prompt_len, store.held_from(s)) or position > length:
+            # Before the prompt's end is not a draft; past S's end is a gap;
+            # before what the book holds, a window long overtaken.
             self.stats.stale_messages += 1
             self._count(entry, "branches_dropped", len(checked))
             return 0
         # Positions the target verified must agree: else the draft built on a
         # history the target has left.
-        fixed = max(min(entry.verified - position, len(arr)), 0)
-        if not np.array_equal(entry.tokens[position : position + fixed], arr[:fixed]):
+        fixed = max(min(verified - position, len(arr)), 0)
+        if fixed and not np.array_equal(store.read(s, position, position + fixed), arr[:fixed]):
             self.stats.stale_messages += 1
             self._count(entry, "branches_dropped", len(checked))
             return 0
         # Past them, the message is a draft for the same verified history, newer
         # than what the book holds: where they differ (the book took a branch
         # the draft did not, say) the message wins.
-        overlap = min(entry.length - position, len(arr))
-        differ = np.flatnonzero(entry.tokens[position + fixed : position + overlap]
-                                != arr[fixed:overlap])
-        if len(differ):
-            cut = position + fixed + int(differ[0])
-            entry.length = cut
-            self.branch_tokens -= entry.drop_branches(lambda fork: fork >= cut)
-            self.stats.rewritten_messages += 1
-            overlap = cut - position
-        room = entry.verified + self.max_pending - entry.length
+        overlap = min(length - position, len(arr))
+        if overlap > fixed:
+            differ = np.flatnonzero(store.read(s, position + fixed, position + overlap)
+                                    != arr[fixed:overlap])
+            if len(differ):
+                cut = position + fixed + int(differ[0])
+                store.L[s] = length = cut
+                self.branch_tokens -= store.drop_branches(s, since=cut)
+                self.stats.rewritten_messages += 1
+                overlap = cut - position
+        room = verified + self.max_pending - length
         new = arr[overlap : overlap + max(room, 0)]
         if len(new):
-            entry.put(entry.length, new)
+            store.write(s, length, new)
             self.stats.draft_tokens_buffered += len(new)
-        window_end = min(position + len(arr), entry.length)
+        window_end = min(position + len(arr), int(store.L[s]))
         for fork, bt in checked:
             self._add_branch(entry, position, window_end, fork, bt)
         return len(new)
 
     def _add_branch(self, entry: _Entry, start: int, end: int, fork: int, bt: np.ndarray) -> None:
+        store, s = self.store, entry.slot
         bt = bt[: self.max_branch_len]
-        ok = (len(bt) > 0 and max(start, entry.verified) <= fork < end
-              and int(bt[0]) != int(entry.tokens[fork]))
-        bkey = (fork, int(bt[0])) if len(bt) else None
-        old = entry.branches.get(bkey) if ok else None
-        grow = len(bt) - (len(old) if old is not None else 0)
-        if ok and old is None and len(entry.branches) >= self.max_branches:
+        ok = (len(bt) > 0 and max(start, int(store.V[s])) <= fork < end
+              and int(bt[0]) != int(store.read(s, fork, fork + 1)[0]))
+        b = store.find_branch(s, fork, int(bt[0])) if ok else -1
+        grow = len(bt) - (int(store.blen[s, b]) if b >= 0 else 0)
+        if ok and b < 0 and store.nbranch[s] >= self.max_branches:
             ok = False  # a flood: the first max_branches stay
         if ok and self.branch_tokens + grow > self.max_branch_tokens:
             ok = False
         if not ok:
             self._count(entry, "branches_dropped")
             return
-        entry.branches[bkey] = bt.copy()
-        entry.branch_tokens += grow
+        store.put_branch(s, b, fork, bt)
         self.branch_tokens += grow
         self._count(entry, "branches_buffered")
 
@@ -256,7 +282,10 @@ class DraftBook:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self.branch_tokens -= entry.drop_branches()
+        self.branch_tokens -= self.store.drop_branches(entry.slot)
+        self.store.give_back(entry.slot)
+        self._key_of[entry.slot] = None
+        self._epoch += 1
         self.stats.closed += 1
         return True
 
@@ -269,8 +298,10 @@ class DraftBook:
         entry = self._entries.get(key)
         if entry is None or entry.stream is None or (stream is not None and entry.stream != stream):
             return False
-        self.branch_tokens -= entry.drop_branches()
-        entry.length = entry.verified
+        s = entry.slot
+        self.branch_tokens -= self.store.drop_branches(s)
+        self.store.L[s] = self.store.V[s]
+        self.store.stream[s] = 0
         entry.stream = None
         return True
 
@@ -283,17 +314,18 @@ class DraftBook:
             del self._released[k]
         return len(keys)
 
-    def release_uncovered(self) -> list[tuple[Hashable, int]]:
-        """Close the requests whose last release_after steps found no drafts (after
-        the wait): drafts too late to verify only take the draft's time from the
-        requests it keeps up with. They stay registered (the target's), detached
-        from their draft. Returns (key, steps, stream) for the caller to tell."""
+    def release_uncovered(self) -> list[tuple[Hashable, int, Hashable]]:
+        """Detach the requests whose last release_after steps found no drafts
+        (after the wait): drafts too late to verify only take the draft's time
+        from the requests it keeps up with. They stay registered (the
+        target's). Returns (key, steps, stream) for the caller to tell."""
         out = []
         for key in self._uncovered:
             entry = self._entries.get(key)
-            if entry is None or entry.uncovered < self.release_after:
+            if entry is None or entry.stream is None \
+                    or self.store.uncovered[entry.slot] < self.release_after:
                 continue  # closed meanwhile, or the wait brought drafts
-            out.append((key, entry.uncovered, entry.stream))
+            out.append((key, int(self.store.uncovered[entry.slot]), entry.stream))
             self._count(entry, "released")
             self._released[key] = entry.stream
             self.detach(key)
@@ -303,9 +335,10 @@ class DraftBook:
         return out
 
     def sequence(self, key: Hashable) -> tuple[list[int], int]:
-        """(S, len(V)) of a request, for tests and debugging."""
+        """(S, len(V)) of a request, for tests and debugging: S as far as the
+        ring holds it (all of it while it is shorter than the ring)."""
         entry = self._entries[key]
-        return entry.seq().tolist(), entry.verified
+        return self.store.sequence(entry.slot).tolist(), entry.verified
 
     # ---- the engine step ------------------------------------------------------
 
@@ -317,96 +350,291 @@ class DraftBook:
         active: Sequence[bool] | None = None,
         keys: Sequence[Hashable | None] | None = None,
     ) -> tuple[list[list[int]], list[VerifiedUpdate]]:
+        """`propose_rows` for a list of histories (tests, tools): the verified
+        updates as a list."""
+        width = max((len(h) for h in histories), default=0)
+        tok = np.zeros((len(histories), max(width, 1)), np.int64)
+        for i, h in enumerate(histories):
+            tok[i, : len(h)] = h
+        lengths = np.array([len(h) for h in histories], np.int64)
+        proposals, verified = self.propose_rows(tok, lengths, k, max_advance, active, keys)
+        return proposals, verified.updates()
+
+    def propose_rows(
+        self,
+        tok: np.ndarray,
+        lengths: np.ndarray,
+        k: int,
+        max_advance: int,
+        active: Sequence[bool] | None = None,
+        keys: Sequence[Hashable | None] | None = None,
+    ) -> tuple[list[list[int]], Verified]:
         """Drafts for each batch row, and the verified tokens to report.
 
-        histories[i]: row i's token history (prompt + verified output), 1-D ints.
-        keys[i]: the request row i serves, as registered (None: unknown, no drafts).
+        tok[i, :lengths[i]]: row i's token history (prompt + verified output),
+        as vLLM's input batch holds it (`token_ids_cpu`, `num_tokens_no_spec`).
+        keys[i]: the request row i serves, as registered (None: unknown, no
+        drafts); the same list object step after step while the rows stay.
         k: at most this many drafted tokens per row.
-        max_advance: the most tokens a row can gain in one step (k + 1); a row
-        that gained more (the target ran on without this book) is taken as is.
+        max_advance: the most tokens a row can gain in one step (k + 1).
         active[i]: False for rows that sampled nothing this step (partial
         prefill); they get no draft and update nothing.
         """
-        proposals: list[list[int]] = [[] for _ in histories]
-        updates: list[VerifiedUpdate] = []
+        nrows = len(lengths)
+        proposals: list[list[int]] = [[] for _ in range(nrows)]
         self.misses = []
         self._uncovered = []
-        entries = self._entries
-        for i, h in enumerate(histories):
-            if (active is not None and not active[i]) or keys is None:
-                continue
-            self.stats.rows_seen += 1
-            key = keys[i]
-            entry = entries.get(key) if key is not None else None
-            if entry is None or len(h) < entry.verified:
-                continue  # unknown, or not this request's row (a stale key)
-            self.stats.rows_matched += 1
-            proposals[i] = self._advance(entry, h, k)
-            if entry.stream is None:
-                proposals[i] = []  # no draft attached: nothing to propose or report
-                continue
-            if entry.end is not None and len(h) >= entry.end:
-                # The request's output is complete: the row is finishing (vLLM
-                # proposes for it in the step that ends it), not a step that
-                # drafts could help or that is worth waiting for.
-                proposals[i] = []
-            else:
-                self._note_proposal(key, entry, len(h), proposals[i])
-                if not proposals[i] and entry.last_outcome in (REJECTED, ACCEPTED):
-                    # The draft is drafting for this row but nothing is here (it
-                    # has not heard of the rejection yet, or fell behind): the
-                    # bounded wait may hold the step for it.
-                    self.misses.append((i, key))
-            if entry.verified > entry.reported:
-                start = entry.reported
-                updates.append(VerifiedUpdate(key, start, entry.tokens[start : entry.verified].tolist(),
-                                              entry.stream))
-                entry.reported = entry.verified
-        return proposals, updates
+        act = np.ones(nrows, bool) if active is None else np.asarray(active, bool)[:nrows]
+        self.stats.rows_seen += int(act.sum())
+        if keys is None or not nrows:
+            return proposals, Verified.none()
+        slots = self._slots(keys)
+        rows = np.flatnonzero(act & (slots >= 0))
+        s = slots[rows]
+        n = np.asarray(lengths, np.int64)[rows]
+        here = n >= self.store.V[s]  # else not this request's row (a stale key)
+        rows, s, n = rows[here], s[here], n[here]
+        self.stats.rows_matched += len(rows)
+        if not len(rows):
+            return proposals, Verified.none()
+        sidx = self.store.stream[s]
+        self._judge_last(tok, rows, s, n, sidx)
+        self._advance(tok, rows, s, n, sidx)
+        return self._propose(proposals, tok, rows, s, n, sidx, k)
 
-    def refill(self, histories: Sequence[np.ndarray], k: int) -> dict[int, list[int]]:
+    def _slots(self, keys) -> np.ndarray:
+        """Each row's slot (-1: unknown key); cached while the keys and the
+        registrations stay the same."""
+        last_keys, last_slots, epoch = self._rows_cache
+        if keys is last_keys and epoch == self._epoch and last_slots is not None:
+            return last_slots
+        get = self._entries.get
+        slots = np.fromiter(((e.slot if (e := get(key)) is not None else -1) if key is not None
+                             else -1 for key in keys), np.int64, len(keys))
+        self._rows_cache = (keys, slots, self._epoch)
+        return slots
+
+    def _judge_last(self, tok, rows, s, n, sidx) -> None:
+        """How each request's last verify step ended, from its new history:
+        every step emits the accepted tokens and one of the target's own, so
+        the row gained accepted + 1 tokens; the token after the accepted ones
+        differs from ours exactly when the target rejected it (vLLM may also
+        have verified fewer than we proposed: then nothing was rejected)."""
+        store = self.store
+        start, plen = store.last_start[s], store.last_len[s]
+        judged = (start >= 0) & (n > start)
+        if not judged.any():
+            return
+        ji = np.flatnonzero(judged)
+        js, jn, jstart, jlen = s[ji], n[ji], start[ji], plen[ji]
+        store.outcome[js[jlen == 0]] = st.DRAFTLESS
+        width = int(jlen.max())
+        if width:
+            j = np.arange(width)
+            pos = jstart[:, None] + j
+            got = tok[rows[ji][:, None], np.minimum(pos, (jn - 1)[:, None])]
+            same = (store.last[js, :width] == got) & (pos < jn[:, None]) & (j < jlen[:, None])
+            matched = np.argmin(np.concatenate([same, np.zeros((len(ji), 1), bool)], 1), 1)
+            accepted = np.minimum(jn - jstart - 1, matched)
+            tried = jlen > 0
+            self._add("verified_steps", sidx[ji], tried)
+            self._add("accepted_tokens", sidx[ji], np.where(tried, accepted, 0))
+            self._add("alpha_trials", sidx[ji], np.where(tried, np.minimum(accepted + 1, jlen), 0))
+            rejected = tried & (accepted < jlen) & (matched == accepted)
+            store.outcome[js[tried & rejected]] = st.REJECTED
+            store.outcome[js[tried & ~rejected]] = st.ACCEPTED
+        store.last_start[js] = -1
+        store.last_len[js] = 0
+
+    def _advance(self, tok, rows, s, n, sidx) -> None:
+        """Move each row's V to its length, reading only the tokens it gained.
+        Where the row left S (a rejection), a branch forking there with the
+        row's token becomes S (a hit); otherwise S restarts from the row."""
+        store, W = self.store, self.store.W
+        v = store.V[s]
+        gain = n - v
+        far = gain > store.max_gain
+        for i in np.flatnonzero(far):  # the book lost sight of the row: S is its history
+            take = min(int(n[i]), W)
+            self.branch_tokens -= store.drop_branches(s[i])
+            store.write(s[i], int(n[i]) - take, tok[rows[i], int(n[i]) - take : int(n[i])])
+        ai = np.flatnonzero((gain > 0) & ~far)
+        if len(ai):
+            a_rows, a_s, a_n, a_v = rows[ai], s[ai], n[ai], v[ai]
+            g = a_n - a_v
+            j = np.arange(int(g.max()))
+            pos = a_v[:, None] + j
+            valid = j < g[:, None]
+            got = tok[a_rows[:, None], np.minimum(pos, (a_n - 1)[:, None])]
+            in_s = pos < store.L[a_s][:, None]
+            diff = valid & in_s & (got != store.ring[a_s[:, None], pos & (W - 1)])
+            rejected = diff.any(1)
+            hit = np.zeros(len(ai), bool)
+            if rejected.any():
+                # The target decided a drafted position otherwise (a proposed
+                # token, or the one after them: the bonus): a rejection.
+                store.outcome[a_s[rejected]] = st.REJECTED
+                hit = self._take_branches(tok, a_rows, a_s, a_n, a_v, got, diff, rejected, sidx[ai])
+                # all forked at or before the rejection, or off the old S
+                rs = a_s[rejected]
+                self.branch_tokens -= int(store.blen[rs].sum())
+                store.fork[rs], store.blen[rs], store.nbranch[rs] = -1, 0, 0
+            # S is the row's history where it left S (no branch for it) or ran past S's end
+            take = (rejected & ~hit) | (~rejected & (valid & ~in_s).any(1))
+            if take.any():
+                ti = np.flatnonzero(take)
+                m = valid[ti]
+                store.ring[np.broadcast_to(a_s[ti, None], m.shape)[m], (pos[ti] & (W - 1))[m]] = \
+                    got[ti][m]
+                store.L[a_s[ti]] = a_n[ti]
+        store.V[s] = n
+        b = np.flatnonzero(store.nbranch[s] > 0)
+        if len(b):  # branches whose position is verified are dead
+            self.branch_tokens -= store.drop_branches(s[b], before=n[b])
+
+    def _take_branches(self, tok, rows, s, n, v, got, diff, rejected, sidx) -> np.ndarray:
+        """Rows rejected where a branch with the row's token forks: that branch
+        (cut to max_pending past the row) becomes S. Returns the hits."""
+        store, W = self.store, self.store.W
+        hit = np.zeros(len(rows), bool)
+        ci = np.flatnonzero(rejected & (store.nbranch[s] > 0))
+        if not len(ci):
+            return hit
+        cs = s[ci]
+        first = diff[ci].argmax(1)
+        p = v[ci] + first
+        token = got[ci, first]
+        need = n[ci] - p  # the branch must hold the row's tokens from p on
+        cand = (store.fork[cs] == p[:, None]) & (store.btok[cs, :, 0] == token[:, None]) \
+            & (store.blen[cs] >= need[:, None])
+        b = cand.argmax(1)
+        j = np.arange(got.shape[1])
+        mbl = store.btok.shape[2]
+        theirs = store.btok[cs[:, None], b[:, None], np.minimum(j, mbl - 1)]
+        ours = tok[rows[ci][:, None], np.minimum(p[:, None] + j, (n[ci] - 1)[:, None])]
+        good = cand.any(1) & ((theirs == ours) | (j >= need[:, None])).all(1)
+        if not good.any():
+            return hit
+        gi = np.flatnonzero(good)
+        hs, hb, hp = cs[gi], b[gi], p[gi]
+        keep = np.minimum(store.blen[hs, hb], need[gi] + self.max_pending)
+        jj = np.arange(mbl)
+        m = jj < keep[:, None]
+        store.ring[np.broadcast_to(hs[:, None], m.shape)[m], ((hp[:, None] + jj) & (W - 1))[m]] = \
+            store.btok[hs, hb][m]
+        store.L[hs] = hp + keep
+        self._add("branch_hits", sidx[ci[gi]], np.ones(len(gi), np.int64))
+        hit[ci[gi]] = True
+        return hit
+
+    def _propose(self, proposals, tok, rows, s, n, sidx, k):
+        store, W = self.store, self.store.W
+        own = store.own_k[s]
+        want = np.where(own > 0, np.minimum(own, k), k)
+        plen = np.clip(np.minimum(want, store.L[s] - n), 0, None)
+        attached = sidx > 0
+        # A row whose output is complete is finishing (vLLM proposes for it in
+        # the step that ends it): not a step that drafts could help or that is
+        # worth waiting for.
+        finishing = (store.end[s] > 0) & (n >= store.end[s])
+        plen[~attached | finishing] = 0
+        width = int(plen.max())
+        if width:
+            drafted = store.ring[s[:, None], (n[:, None] + np.arange(width)) & (W - 1)]
+            listed = drafted.tolist()
+            for i in np.flatnonzero(plen).tolist():
+                proposals[int(rows[i])] = listed[i][: plen[i]]
+        noted = attached & ~finishing
+        outcome = store.outcome[s]
+        covered = plen > 0
+        for code, name in _OUTCOMES:
+            m = noted & (outcome == code)
+            self._add(f"steps_after_{name}", sidx, m)
+            self._add(f"covered_after_{name}", sidx, m & covered)
+        # The draft is drafting for these rows but nothing is here (it has not
+        # heard of the rejection yet, or fell behind): the bounded wait may
+        # hold the step for them.
+        waiting = noted & ~covered & ((outcome == st.REJECTED) | (outcome == st.ACCEPTED))
+        self._add("wait_rows", sidx, waiting)
+        key_of = self._key_of
+        self.misses = [(int(rows[i]), key_of[s[i]]) for i in np.flatnonzero(waiting)]
+        self.stats.rows_with_proposals += int(covered.sum())
+        self.stats.proposed_tokens += int(plen.sum())
+        ns = s[noted]
+        store.uncovered[ns] = np.where(covered[noted], 0, store.uncovered[ns] + 1)
+        if self.release_after:
+            late = ns[store.uncovered[ns] >= self.release_after]
+            self._uncovered = [key_of[x] for x in late]
+        store.last_start[ns] = n[noted]
+        store.last_len[ns] = plen[noted]
+        if width:
+            store.last[ns, :width] = drafted[noted]
+        # Verified tokens the attached drafts have not heard yet.
+        ui = np.flatnonzero(attached & (n > store.reported[s]))
+        verified = Verified.none()
+        if len(ui):
+            start = store.reported[s[ui]]
+            count = n[ui] - start
+            j = np.arange(int(count.max()))
+            m = j < count[:, None]
+            flat = tok[rows[ui][:, None], np.minimum(start[:, None] + j, (n[ui] - 1)[:, None])][m]
+            streams = self._streams
+            verified = Verified([key_of[x] for x in s[ui]], [streams[x] for x in sidx[ui]],
+                                start, count, flat)
+            store.reported[s[ui]] = n[ui]
+        return proposals, verified
+
+    def refill(self, lengths: Sequence[int], k: int) -> dict[int, list[int]]:
         """Proposals for the rows of the last propose()'s misses whose drafts
-        have arrived since (the bounded wait); {row: tokens}. Changes no
-        verified position: it only reads what arrived for the same history."""
+        have arrived since (the bounded wait); {row: tokens}. lengths[i]: row
+        i's history length, as at that propose(). Changes no verified
+        position: it only reads what arrived for the same history."""
         out: dict[int, list[int]] = {}
+        store = self.store
         for i, key in self.misses:
             entry = self._entries.get(key)
-            h = histories[i]
-            n = len(h)
-            if entry is None or entry.verified != n or entry.length <= n:
+            n = int(lengths[i])
+            if entry is None:
+                continue
+            s = entry.slot
+            if store.V[s] != n or store.L[s] <= n:
                 continue
             kk = min(k, entry.k) if entry.k else k
-            tokens = entry.tokens[n : min(entry.length, n + kk)].tolist()
-            if not tokens:
-                continue
+            tokens = store.read(s, n, min(int(store.L[s]), n + kk)).tolist()
             out[i] = tokens
-            entry.uncovered = 0
+            store.uncovered[s] = 0
             self.stats.rows_with_proposals += 1
             self.stats.proposed_tokens += len(tokens)
-            self._count(entry, f"covered_after_{entry.last_outcome}")
+            self._count(entry, f"covered_after_{st.OUTCOME_NAMES[store.outcome[s]]}")
             self._count(entry, "wait_hits")
-            entry.last_start, entry.last_proposal = n, tokens
+            store.last_start[s], store.last_len[s] = n, len(tokens)
+            store.last[s, : len(tokens)] = tokens
         self.misses = []
         return out
 
-    def _note_proposal(self, key: Hashable, entry: _Entry, n: int, proposal: list[int]) -> None:
-        """Count this step's proposal against how the request's last step ended."""
-        outcome = entry.last_outcome
-        if outcome != FIRST:
-            self._count(entry, f"steps_after_{outcome}")
-            if proposal:
-                self._count(entry, f"covered_after_{outcome}")
-        if not proposal and outcome in (REJECTED, ACCEPTED):
-            self._count(entry, "wait_rows")
-        if proposal:
-            self.stats.rows_with_proposals += 1
-            self.stats.proposed_tokens += len(proposal)
-        entry.uncovered = 0 if proposal else entry.uncovered + 1
-        if self.release_after and entry.uncovered >= self.release_after:
-            self._uncovered.append(key)
-        entry.last_start, entry.last_proposal = n, proposal
-
     # ---- internals ------------------------------------------------------------
+
+    def _add(self, name: str, sidx: np.ndarray, values: np.ndarray) -> None:
+        """Add per-row counts to a counter, in all and per stream."""
+        values = np.asarray(values, np.int64)
+        total = int(values.sum())
+        if not total:
+            return
+        setattr(self.stats, name, getattr(self.stats, name) + total)
+        per = np.bincount(sidx, weights=values, minlength=len(self._streams))
+        for i in np.flatnonzero(per):
+            stream = self._streams[i]
+            stats = self.stream_stats.get(stream)
+            if stats is None:
+                stats = self.stream_stats[stream] = BookStats()
+            setattr(stats, name, getattr(stats, name) + int(per[i]))
+
+    def _index_of(self, stream: Hashable) -> int:
+        i = self._stream_index.get(stream)
+        if i is None:
+            i = self._stream_index[stream] = len(self._streams)
+            self._streams.append(stream)
+        return i
 
     def _checked_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -417,66 +645,6 @@ class DraftBook:
                 f"token id {bad} is outside the target vocabulary [0, {self.vocab_size})",
             )
         return arr
-
-    def _advance(self, entry: _Entry, h: np.ndarray, k: int) -> list[int]:
-        """Row h is entry's request, its history at least V long: move V to len(h).
-        Only the tokens past V are read (at most K + 1 in a verify step).
-
-        Where h leaves S (a rejection), a branch forking there with h's token
-        becomes S (a hit); otherwise S restarts from h."""
-        n = len(h)
-        self._judge_last(entry, h)
-        v = entry.verified
-        if n > v:
-            have = min(entry.length, n)
-            diff = np.flatnonzero(entry.tokens[v:have] != h[v:have])
-            if len(diff):
-                p = v + int(diff[0])
-                # The target decided a drafted position otherwise (a proposed
-                # token, or the one after them: the bonus): a rejection.
-                entry.last_outcome = REJECTED
-                branch = entry.branches.get((p, int(h[p])))
-                # all forked at or before p, or off the old S
-                self.branch_tokens -= entry.drop_branches()
-                hit = branch is not None and len(branch) >= n - p and np.array_equal(
-                    branch[: n - p], h[p:n])
-                if hit:
-                    entry.put(p, branch[: n - p + self.max_pending])
-                    self._count(entry, "branch_hits")
-                else:
-                    entry.put(v, np.asarray(h[v:n], dtype=np.int64))
-            elif entry.length < n:
-                # The target ran past the drafts: S is h.
-                entry.put(v, np.asarray(h[v:n], dtype=np.int64))
-            entry.verified = n
-            self.branch_tokens -= entry.drop_branches(lambda fork: fork < n)
-        if entry.k:
-            k = min(k, entry.k)
-        return entry.tokens[n : min(entry.length, n + k)].tolist()
-
-    def _judge_last(self, entry: _Entry, h: np.ndarray) -> None:
-        """How the request's last verify step ended, from its new history."""
-        start, prop = entry.last_start, entry.last_proposal
-        n = len(h)
-        if start < 0 or n <= start:
-            return  # first step, or the row did not advance (outcome unchanged)
-        if not prop:
-            entry.last_outcome = DRAFTLESS
-            return
-        # Every step emits the accepted tokens and one of the target's own, so
-        # the row gained accepted + 1 tokens; the token after the accepted ones
-        # differs from ours exactly when the target rejected it (vLLM may also
-        # have verified fewer than we proposed: then nothing was rejected).
-        got = h[start : min(n, start + len(prop))]
-        same = np.asarray(prop[: len(got)]) == got
-        matched = int(np.argmin(np.append(same, False)))
-        accepted = min(n - start - 1, matched)
-        self._count(entry, "verified_steps")
-        self._count(entry, "accepted_tokens", accepted)
-        self._count(entry, "alpha_trials", min(accepted + 1, len(prop)))
-        rejected = accepted < len(prop) and matched == accepted
-        entry.last_outcome = REJECTED if rejected else ACCEPTED
-        entry.last_start, entry.last_proposal = -1, []
 
 
 def _name(key: Hashable) -> str:

@@ -1,16 +1,13 @@
-"""One request's entry in the draft book: its speculative sequence S (prompt +
-verified + drafted tokens), how much of S is verified and reported, and its
-branches (alternatives at fork positions, each with its continuation); and
-what the book hands out: its verified updates and its errors. Pure."""
+"""One request's entry in the draft book (its slot in the store, its prompt's
+length, its stream) and what the book hands out: verified updates, packed
+(`Verified`) or one by one, and its errors. Pure."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable
 
 import numpy as np
-
-from specserve.target.book_stats import FIRST
 
 # gRPC status code numbers (grpc.StatusCode values), kept here so this module
 # does not import grpc.
@@ -39,51 +36,63 @@ class VerifiedUpdate:
     stream: Hashable = None  # the draft stream it goes to
 
 
+@dataclasses.dataclass
+class Verified:
+    """The verified tokens of one step for the drafts, packed: update i is
+    request keys[i] (attached to streams[i]) at positions [positions[i],
+    positions[i] + counts[i]), its tokens the next counts[i] of `tokens`."""
+
+    keys: list
+    streams: list
+    positions: np.ndarray
+    counts: np.ndarray
+    tokens: np.ndarray
+
+    @classmethod
+    def none(cls) -> "Verified":
+        empty = np.zeros(0, np.int64)
+        return cls([], [], empty, empty, empty)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def updates(self) -> list[VerifiedUpdate]:
+        out, at = [], 0
+        for key, stream, pos, n in zip(self.keys, self.streams, self.positions.tolist(),
+                                       self.counts.tolist()):
+            out.append(VerifiedUpdate(key, pos, self.tokens[at : at + n].tolist(), stream))
+            at += n
+        return out
+
+
 class _Entry:
-    """One request's speculative sequence; tokens[:verified] are confirmed."""
+    """One registered request: where its hot state lives in the store (its
+    slot), and what the messages need: its prompt's length and its stream."""
 
-    __slots__ = ("tokens", "length", "verified", "reported", "prompt_len", "k", "branches",
-                 "branch_tokens", "last_start", "last_proposal", "last_outcome", "stream", "end",
-                 "uncovered")
+    __slots__ = ("store", "slot", "prompt_len", "stream")
 
-    def __init__(self, prompt: Sequence[int], k: int = 0):
-        n = len(prompt)
-        self.tokens = np.empty(max(16, 2 * n), dtype=np.int64)
-        self.tokens[:n] = prompt
-        self.length = n  # len(S)
-        self.verified = n  # len(V): the prompt is verified by definition
-        self.reported = n  # verified tokens already sent back to the draft
-        self.prompt_len = n
-        self.k = k  # at most this many proposed tokens per step; 0: the caller's k
-        # (fork position, alternative token) -> tokens from the fork on.
-        self.branches: dict[tuple[int, int], np.ndarray] = {}
-        self.branch_tokens = 0
-        self.last_start = -1  # where the last proposal started (len(H) then)
-        self.last_proposal: list[int] = []
-        self.last_outcome = FIRST  # how this request's last verify step ended
+    def __init__(self, store, slot: int, prompt_len: int):
+        self.store = store
+        self.slot = slot
+        self.prompt_len = prompt_len
         self.stream: Hashable = None  # the draft stream attached to it (None: none)
-        self.end: int | None = None  # where the output ends (history length); None: unknown
-        self.uncovered = 0  # this request's steps in a row without drafts
 
-    def drop_branches(self, which: Callable[[int], bool] | None = None) -> int:
-        """Drop the branches whose fork position `which` holds (all: None);
-        returns how many tokens they held."""
-        if not self.branches:
-            return 0  # the usual case, on the engine step's path
-        gone = [b for b in self.branches if which is None or which(b[0])]
-        n = sum(len(self.branches.pop(b)) for b in gone)
-        self.branch_tokens -= n
-        return n
+    @property
+    def verified(self) -> int:
+        return int(self.store.V[self.slot])
 
-    def seq(self) -> np.ndarray:
-        return self.tokens[: self.length]
+    @property
+    def length(self) -> int:
+        return int(self.store.L[self.slot])
 
-    def put(self, start: int, values: np.ndarray) -> None:
-        """Overwrite from `start` on with `values`; S ends after them."""
-        end = start + len(values)
-        if end > len(self.tokens):
-            grown = np.empty(max(end, 2 * len(self.tokens)), dtype=np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
-        self.tokens[start:end] = values
-        self.length = end
+    @property
+    def k(self) -> int:
+        return int(self.store.own_k[self.slot])
+
+    @property
+    def branches(self) -> dict:
+        return self.store.branches(self.slot)
+
+    @property
+    def branch_tokens(self) -> int:
+        return self.store.branch_tokens(self.slot)

@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
+
 from specserve import logs
 from specserve.target import worker_hook
 from specserve.target.sink import DraftSink
@@ -119,14 +121,16 @@ class RemoteDraftProposer:
         n = len(sampled_token_ids)
         if self.sink is None:
             return [[] for _ in range(n)]
-        # Views, not copies: row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]].
-        histories = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(n)]
+        # Row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]]; the sink
+        # reads only what each row gained since the last step.
+        lengths = np.asarray(num_tokens_no_spec[:n])
         active = [bool(s) for s in sampled_token_ids]
+        proposals = self.sink.propose(token_ids_cpu, lengths, active, self.k,
+                                      keys=self.row_keys(n))
         # Never draft past the context: vLLM would refuse the positions.
-        k = self.k
-        proposals = self.sink.propose(histories, active, k, keys=self.row_keys(n))
-        for i, p in enumerate(proposals):
-            room = self.max_model_len - len(histories[i]) - 1
-            if len(p) > room:
-                proposals[i] = p[: max(room, 0)]
+        near = np.flatnonzero(lengths + self.k + 1 > self.max_model_len)
+        for i in near.tolist():
+            room = self.max_model_len - int(lengths[i]) - 1
+            if len(proposals[i]) > room:
+                proposals[i] = proposals[i][: max(room, 0)]
         return proposals

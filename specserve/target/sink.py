@@ -169,47 +169,42 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
 
     def propose(
         self,
-        histories: Sequence[np.ndarray],
+        tok: np.ndarray,
+        lengths: np.ndarray,
         active: Sequence[bool],
         k: int,
         keys: Sequence[str | None] | None = None,
     ) -> list[list[int]]:
-        """keys[i]: the request id of row i (None: unknown; no drafts)."""
+        """tok[i, :lengths[i]]: row i's history (vLLM's token_ids_cpu and
+        num_tokens_no_spec); keys[i]: row i's request id (None: unknown; no drafts)."""
+        nrows = len(active)
         start = time.monotonic()
         with self._lock:
             if self._last_propose is not None and start - self._last_propose < 2.0:
                 # (longer: the engine was idle, not stepping)
                 self._step_s = _ewma(self._step_s, start - self._last_propose)
-                if self._last_step is not None and self._last_step[0] == len(histories) \
+                if self._last_step is not None and self._last_step[0] == nrows \
                         and all(active):
                     self._cost_fit.add(self._last_step[1], start - self._last_propose)
                     self._cost_steps += 1
                     if self._cost is None or self._cost_steps % COST_REFIT == 0:
                         self._cost = self._cost_fit.cost()  # (not every step: the engine waits)
-            proposals, updates = self._book.propose(histories, k, max_advance=k + 1,
-                                                    active=active, keys=keys)
+            proposals, verified = self._book.propose_rows(tok, lengths, k, max_advance=k + 1,
+                                                          active=active, keys=keys)
             misses = list(self._book.misses)
             streams = dict(self._streams)
             for _, key in misses:
                 self._miss_sent[key] = [start, None]
-            if len(self._miss_sent) > 4 * len(histories) + 64:
+            if len(self._miss_sent) > 4 * nrows + 64:
                 self._miss_sent.clear()  # forgotten rows; the next misses remeasure
             names = {streams[sid].name for sid in
                      (self._book.stream_of(key) for _, key in misses) if sid in streams}
-        for u in updates:
-            stream = streams.get(u.stream)
-            if stream is not None:
-                stream.send(
-                    spec_pb2.SinkMessage(
-                        verified=spec_pb2.Verified(
-                            request_id=u.key, position=u.position, token_ids=u.token_ids
-                        )
-                    )
-                )
+        if len(verified):
+            _send_verified(streams, verified)
         if misses:
             bound = self.wait_bound(sum(1 for a in active if a), len(misses), k)
             if bound > 0:
-                got = self._wait(histories, misses, k, start + bound)
+                got = self._wait(lengths, misses, k, start + bound)
                 for i, tokens in got.items():
                     proposals[i] = tokens
                 waited = time.monotonic() - start
@@ -233,7 +228,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             # forward pass); a wait is not part of it. It verifies one token per
             # sampling row plus what is proposed now.
             self._last_propose = time.monotonic()
-            self._last_step = (len(histories),
+            self._last_step = (nrows,
                                sum(1 for a in active if a) + sum(len(p) for p in proposals))
         return proposals
 
@@ -253,7 +248,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                                      self._round_trips,
                                      policy.round_trip_percentile(waiting_rows)))
 
-    def _wait(self, histories, misses, k: int, deadline: float) -> dict[int, list[int]]:
+    def _wait(self, lengths, misses, k: int, deadline: float) -> dict[int, list[int]]:
         keys = [key for _, key in misses]
         with self._arrived:
             while True:
@@ -263,7 +258,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 if left <= 0:
                     break
                 self._arrived.wait(left)
-            return self._book.refill(histories, k)
+            return self._book.refill(lengths, k)
 
     def _measure_draft(self, key, added: int) -> None:
         """The draft's speed after a miss: the first fresh drafts' latency (round
@@ -436,6 +431,33 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         if self._server is not None:
             self._server.stop(grace)
             self._server = None
+
+
+def _send_verified(streams: dict, verified) -> None:
+    """One VerifiedBatch per stream for this step's verified tokens."""
+    if len(set(verified.streams)) == 1:  # the usual case: one draft replica
+        groups = {verified.streams[0]: slice(None)}
+    else:
+        order = {}
+        for i, sid in enumerate(verified.streams):
+            order.setdefault(sid, []).append(i)
+        groups = order
+    ends = np.cumsum(verified.counts)
+    starts = ends - verified.counts
+    for sid, which in groups.items():
+        stream = streams.get(sid)
+        if stream is None:
+            continue
+        if isinstance(which, slice):
+            keys, pos, counts, toks = (verified.keys, verified.positions, verified.counts,
+                                       verified.tokens)
+        else:
+            keys = [verified.keys[i] for i in which]
+            pos, counts = verified.positions[which], verified.counts[which]
+            toks = np.concatenate([verified.tokens[starts[i]:ends[i]] for i in which])
+        stream.send(spec_pb2.SinkMessage(verified=spec_pb2.VerifiedBatch(
+            request_ids=keys, positions=pos.tolist(), counts=counts.tolist(),
+            token_ids=toks.tolist())))
 
 
 def _ewma(old: float | None, new: float) -> float:

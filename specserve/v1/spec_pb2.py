@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specserve/v1/spec.proto\x12\x0cspecserve.v1\"\x9a\x01\n\x0c\x44raftMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specserve.v1.OpenRequestH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specserve.v1.DraftTokensH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.CloseRequestH\x00\x42\x06\n\x04kind\"L\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x19\n\x11verified_position\x18\x03 \x01(\x04\"n\n\x0b\x44raftTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08\x62ranches\x18\x04 \x03(\x0b\x32\x14.specserve.v1.Branch\"2\n\x06\x42ranch\x12\x15\n\rfork_position\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x98\x01\n\x0bSinkMessage\x12*\n\x08verified\x18\x01 \x01(\x0b\x32\x16.specserve.v1.VerifiedH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.RequestErrorH\x00\x12(\n\x07release\x18\x03 \x01(\x0b\x32\x15.specserve.v1.ReleaseH\x00\x42\x06\n\x04kind\"6\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0funcovered_steps\x18\x02 \x01(\r\"C\n\x08Verified\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"7\n\tSinkStats\x12*\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftFigures\"\xbe\x01\n\x0c\x44raftFigures\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12:\n\x08\x63ounters\x18\x02 \x03(\x0b\x32(.specserve.v1.DraftFigures.CountersEntry\x12\r\n\x05waits\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xa1\x01\n\nStartDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06ticket\x18\x07 \x01(\t\x12\x14\n\x0csink_address\x18\x03 \x01(\t\x12\x11\n\tlookahead\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\"!\n\x0b\x43\x61ncelDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bHealthCheck\"\'\n\x08\x44raftAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x8f\x01\n\tDraftSink\x12\x44\n\x07\x43onnect\x12\x1a.specserve.v1.DraftMessage\x1a\x19.specserve.v1.SinkMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x17.specserve.v1.SinkStats2\xbe\x01\n\x07\x44rafter\x12\x39\n\x05Start\x12\x18.specserve.v1.StartDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06\x43\x61ncel\x12\x19.specserve.v1.CancelDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06Health\x12\x19.specserve.v1.HealthCheck\x1a\x16.specserve.v1.DraftAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specserve/v1/spec.proto\x12\x0cspecserve.v1\"\x9a\x01\n\x0c\x44raftMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specserve.v1.OpenRequestH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specserve.v1.DraftTokensH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.CloseRequestH\x00\x42\x06\n\x04kind\"L\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x19\n\x11verified_position\x18\x03 \x01(\x04\"n\n\x0b\x44raftTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08\x62ranches\x18\x04 \x03(\x0b\x32\x14.specserve.v1.Branch\"2\n\x06\x42ranch\x12\x15\n\rfork_position\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x9d\x01\n\x0bSinkMessage\x12/\n\x08verified\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.VerifiedBatchH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.RequestErrorH\x00\x12(\n\x07release\x18\x03 \x01(\x0b\x32\x15.specserve.v1.ReleaseH\x00\x42\x06\n\x04kind\"6\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0funcovered_steps\x18\x02 \x01(\r\"Z\n\rVerifiedBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"7\n\tSinkStats\x12*\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftFigures\"\xbe\x01\n\x0c\x44raftFigures\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12:\n\x08\x63ounters\x18\x02 \x03(\x0b\x32(.specserve.v1.DraftFigures.CountersEntry\x12\r\n\x05waits\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xa1\x01\n\nStartDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06ticket\x18\x07 \x01(\t\x12\x14\n\x0csink_address\x18\x03 \x01(\t\x12\x11\n\tlookahead\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\"!\n\x0b\x43\x61ncelDraft\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bHealthCheck\"\'\n\x08\x44raftAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x8f\x01\n\tDraftSink\x12\x44\n\x07\x43onnect\x12\x1a.specserve.v1.DraftMessage\x1a\x19.specserve.v1.SinkMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x17.specserve.v1.SinkStats2\xbe\x01\n\x07\x44rafter\x12\x39\n\x05Start\x12\x18.specserve.v1.StartDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06\x43\x61ncel\x12\x19.specserve.v1.CancelDraft\x1a\x16.specserve.v1.DraftAck\x12;\n\x06Health\x12\x19.specserve.v1.HealthCheck\x1a\x16.specserve.v1.DraftAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSEREQUEST']._serialized_start=440
   _globals['_CLOSEREQUEST']._serialized_end=474
   _globals['_SINKMESSAGE']._serialized_start=477
-  _globals['_SINKMESSAGE']._serialized_end=629
-  _globals['_RELEASE']._serialized_start=631
-  _globals['_RELEASE']._serialized_end=685
-  _globals['_VERIFIED']._serialized_start=687
-  _globals['_VERIFIED']._serialized_end=754
-  _globals['_REQUESTERROR']._serialized_start=756
-  _globals['_REQUESTERROR']._serialized_end=821
-  _globals['_STATSREQUEST']._serialized_start=823
-  _globals['_STATSREQUEST']._serialized_end=837
-  _globals['_SINKSTATS']._serialized_start=839
-  _globals['_SINKSTATS']._serialized_end=894
-  _globals['_DRAFTFIGURES']._serialized_start=897
-  _globals['_DRAFTFIGURES']._serialized_end=1087
-  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_start=1040
-  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_end=1087
-  _globals['_STARTDRAFT']._serialized_start=1090
-  _globals['_STARTDRAFT']._serialized_end=1251
-  _globals['_CANCELDRAFT']._serialized_start=1253
-  _globals['_CANCELDRAFT']._serialized_end=1286
-  _globals['_HEALTHCHECK']._serialized_start=1288
-  _globals['_HEALTHCHECK']._serialized_end=1301
-  _globals['_DRAFTACK']._serialized_start=1303
-  _globals['_DRAFTACK']._serialized_end=1342
-  _globals['_DRAFTSINK']._serialized_start=1345
-  _globals['_DRAFTSINK']._serialized_end=1488
-  _globals['_DRAFTER']._serialized_start=1491
-  _globals['_DRAFTER']._serialized_end=1681
+  _globals['_SINKMESSAGE']._serialized_end=634
+  _globals['_RELEASE']._serialized_start=636
+  _globals['_RELEASE']._serialized_end=690
+  _globals['_VERIFIEDBATCH']._serialized_start=692
+  _globals['_VERIFIEDBATCH']._serialized_end=782
+  _globals['_REQUESTERROR']._serialized_start=784
+  _globals['_REQUESTERROR']._serialized_end=849
+  _globals['_STATSREQUEST']._serialized_start=851
+  _globals['_STATSREQUEST']._serialized_end=865
+  _globals['_SINKSTATS']._serialized_start=867
+  _globals['_SINKSTATS']._serialized_end=922
+  _globals['_DRAFTFIGURES']._serialized_start=925
+  _globals['_DRAFTFIGURES']._serialized_end=1115
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_start=1068
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_end=1115
+  _globals['_STARTDRAFT']._serialized_start=1118
+  _globals['_STARTDRAFT']._serialized_end=1279
+  _globals['_CANCELDRAFT']._serialized_start=1281
+  _globals['_CANCELDRAFT']._serialized_end=1314
+  _globals['_HEALTHCHECK']._serialized_start=1316
+  _globals['_HEALTHCHECK']._serialized_end=1329
+  _globals['_DRAFTACK']._serialized_start=1331
+  _globals['_DRAFTACK']._serialized_end=1370
+  _globals['_DRAFTSINK']._serialized_start=1373
+  _globals['_DRAFTSINK']._serialized_end=1516
+  _globals['_DRAFTER']._serialized_start=1519
+  _globals['_DRAFTER']._serialized_end=1709
 # @@protoc_insertion_point(module_scope)

@@ -57,10 +57,10 @@ class SinkMessage(_message.Message):
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
-    verified: Verified
+    verified: VerifiedBatch
     error: RequestError
     release: Release
-    def __init__(self, verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+    def __init__(self, verified: _Optional[_Union[VerifiedBatch, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("request_id", "uncovered_steps")
@@ -70,15 +70,17 @@ class Release(_message.Message):
     uncovered_steps: int
     def __init__(self, request_id: _Optional[str] = ..., uncovered_steps: _Optional[int] = ...) -> None: ...
 
-class Verified(_message.Message):
-    __slots__ = ("request_id", "position", "token_ids")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    POSITION_FIELD_NUMBER: _ClassVar[int]
+class VerifiedBatch(_message.Message):
+    __slots__ = ("request_ids", "positions", "counts", "token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    position: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "code", "message")

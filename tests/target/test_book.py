@@ -269,13 +269,13 @@ def test_a_miss_is_listed_for_the_wait_and_refilled_when_drafts_arrive():
     props, _ = _rejected_at_40(b, [(4, [50, 51]), (3, [60, 61])])
     assert props == [[]]
     assert b.misses == [(0, ("s", "r"))] and b.stats.wait_rows == 1
-    assert b.refill([h(1, 2, 5, 6, 40)], K) == {}  # nothing arrived yet
+    assert b.refill([5], K) == {}  # nothing arrived yet
     b.propose([h(9, 9)], K, K + 1, keys=[None])  # another step: the miss list is per step
     assert b.misses == []
     b2 = book()
     _rejected_at_40(b2, [])
     b2.extend(("s", "r"), 5, [41, 42, 43, 44])
-    assert b2.refill([h(1, 2, 5, 6, 40)], K) == {0: [41, 42, 43]}
+    assert b2.refill([5], K) == {0: [41, 42, 43]}
     assert (b2.stats.wait_hits, b2.stats.covered_after_rejected) == (1, 1)
     # The refilled proposal is judged like any other at the next step.
     b2.propose([h(1, 2, 5, 6, 40, 41, 42, 43, 44)], K, K + 1, keys=[("s", "r")])
@@ -440,7 +440,7 @@ def test_a_request_without_drafts_for_release_after_steps_is_released():
     assert b.propose([h(*hist)], K, K + 1, keys=[("s", "r")])[0] == [[]]
     assert b.misses == [(0, ("s", "r"))]
     b.extend(("s", "r"), len(hist), [40])
-    assert b.refill([h(*hist)], K) == {0: [40]}
+    assert b.refill([len(hist)], K) == {0: [40]}
     assert b.release_uncovered() == []
     hist += [40, 8]
     for n in (1, 2, 3):

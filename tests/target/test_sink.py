@@ -81,16 +81,29 @@ def h(*t):
     return np.array(t, dtype=np.int32)
 
 
+def rows(*histories):
+    """vLLM's view of a batch: token_ids_cpu and num_tokens_no_spec."""
+    tok = np.zeros((len(histories), max(len(x) for x in histories)), np.int32)
+    for i, x in enumerate(histories):
+        tok[i, : len(x)] = x
+    return tok, np.array([len(x) for x in histories])
+
+
+def verified(msg):
+    """The (request id, position, tokens) of a sink message's verified batch."""
+    from specserve.draft.link import unpack_verified
+
+    assert msg.WhichOneof("kind") == "verified", msg
+    return unpack_verified(msg.verified)
+
+
 def test_drafts_flow_in_and_verified_tokens_flow_back(sink):
     c = Client(sink)
     c.open("r", [1, 2, 3])
     c.draft("r", 3, [4, 5, 6, 7])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 4)
-    assert sink.propose([h(1, 2, 3, 4)], [True], k=2, keys=["r"]) == [[5, 6]]
-    msg = c.reply()
-    assert msg.WhichOneof("kind") == "verified"
-    assert (msg.verified.request_id, msg.verified.position, list(msg.verified.token_ids)) == (
-        "r", 3, [4])
+    assert sink.propose(*rows(h(1, 2, 3, 4)), [True], k=2, keys=["r"]) == [[5, 6]]
+    assert verified(c.reply()) == [("r", 3, [4])]
     c.close()
     assert wait_for(lambda: sink.stats()["streams"] == 0)
     assert sink.stats()["open_requests"] == 1  # the target's until it unregisters
@@ -113,8 +126,8 @@ def test_a_client_without_the_ticket_learns_nothing_and_changes_nothing(sink):
     rogue.draft("r", 3, [9, 9, 9])
     assert rogue.reply().error.code == grpc.StatusCode.NOT_FOUND.value[0]
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 3)
-    assert sink.propose([h(1, 2, 3, 4)], [True], k=2, keys=["r"]) == [[5, 6]]
-    assert good.reply().verified.token_ids == [4]
+    assert sink.propose(*rows(h(1, 2, 3, 4)), [True], k=2, keys=["r"]) == [[5, 6]]
+    assert verified(good.reply()) == [("r", 3, [4])]
     with pytest.raises(queue.Empty):
         rogue.reply(timeout=0.5)
     good.close()
@@ -169,8 +182,8 @@ def test_malformed_bytes_end_that_call_with_a_status_and_nothing_else(sink):
     channel.close()
     good.draft("r", 2, [3])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 1)
-    assert sink.propose([h(1, 2, 3)], [True], k=2, keys=["r"]) == [[]]
-    assert good.reply().verified.token_ids == [3]
+    assert sink.propose(*rows(h(1, 2, 3)), [True], k=2, keys=["r"]) == [[]]
+    assert verified(good.reply()) == [("r", 2, [3])]
     good.close()
 
 
@@ -186,7 +199,7 @@ def test_a_flood_stays_within_the_buffer_bounds(sink):
     (key,) = [k for k in sink._book._entries]
     seq, verified = sink._book.sequence(key)
     assert len(seq) - verified <= 16  # max_pending
-    proposals = sink.propose([h(1)], [True], k=4, keys=["r"])
+    proposals = sink.propose(*rows(h(1)), [True], k=4, keys=["r"])
     assert len(proposals[0]) <= 4
     c.close()
 
@@ -203,7 +216,7 @@ def test_a_stream_cannot_touch_another_streams_requests(sink):
     err = b.reply().error  # (closing an unknown request is a no-op)
     assert err.request_id == "r" and err.code == grpc.StatusCode.NOT_FOUND.value[0]
     assert sink.stats()["open_requests"] == 1
-    assert sink.propose([h(1, 2, 3)], [True], k=2, keys=["r"]) == [[4, 5]]
+    assert sink.propose(*rows(h(1, 2, 3)), [True], k=2, keys=["r"]) == [[4, 5]]
     b.close()  # b going away drops b's requests only
     assert wait_for(lambda: sink.stats()["streams"] == 1)
     assert sink.stats()["open_requests"] == 1
@@ -306,7 +319,7 @@ def test_a_link_knows_how_long_its_sink_has_been_unreachable(sink):
             if sink._book.stream_of("r") is not None:
                 break
             await asyncio.sleep(0.02)
-        assert sink.propose([h(1, 2, 3)], [True], k=2, keys=["r"]) == [[]]  # a verified update for "r"
+        assert sink.propose(*rows(h(1, 2, 3)), [True], k=2, keys=["r"]) == [[]]  # a verified update for "r"
         await asyncio.sleep(0.5)
         result = down.down_since, up.down_since
         await down.close()
@@ -346,7 +359,7 @@ def test_a_release_reaches_the_draft_runner_over_the_wire():
                 break
             await asyncio.sleep(0.02)
         for hist in ([1, 2, 3], [1, 2, 3, 4]):
-            assert await asyncio.to_thread(s.propose, [h(*hist)], [True], 2, ["r"]) == [[]]
+            assert await asyncio.to_thread(s.propose, *rows(h(*hist)), [True], 2, ["r"]) == [[]]
         for _ in range(200):
             if runner.stats.released:
                 break
@@ -370,9 +383,9 @@ def test_branches_travel_the_wire_and_the_figures_are_kept_per_draft(sink):
     c.open("r", [1, 2])
     c.draft("r", 2, [5, 6, 7, 8], branches=[(4, [40, 41, 42])])
     assert wait_for(lambda: sink.stats()["branches_buffered"] == 1)
-    assert sink.propose([h(1, 2, 5)], [True], k=3, keys=["r"]) == [[6, 7, 8]]
+    assert sink.propose(*rows(h(1, 2, 5)), [True], k=3, keys=["r"]) == [[6, 7, 8]]
     # 6 accepted, 40 instead of 7: the branch is proposed in the same step.
-    assert sink.propose([h(1, 2, 5, 6, 40)], [True], k=3, keys=["r"]) == [[41, 42]]
+    assert sink.propose(*rows(h(1, 2, 5, 6, 40)), [True], k=3, keys=["r"]) == [[41, 42]]
     stats = spec_pb2_grpc.DraftSinkStub(c.channel).Stats(spec_pb2.StatsRequest())
     (d,) = stats.drafts
     assert d.draft == "tiny/replica-0"
@@ -393,8 +406,8 @@ def _rejected(sink, c, step_s=0.1):
     c.open("r", [1, 2])
     c.draft("r", 2, [5, 6, 7, 8, 9, 10, 11])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 7)
-    assert sink.propose([h(1, 2, 5)], [True], k=3, keys=["r"]) == [[6, 7, 8]]
-    assert sink.propose([h(1, 2, 5, 6, 7, 8, 9)], [True], k=3, keys=["r"]) == [[10, 11]]
+    assert sink.propose(*rows(h(1, 2, 5)), [True], k=3, keys=["r"]) == [[6, 7, 8]]
+    assert sink.propose(*rows(h(1, 2, 5, 6, 7, 8, 9)), [True], k=3, keys=["r"]) == [[10, 11]]
     sink._step_s = step_s  # a target of this step time (measured in a real engine)
     c.reply(), c.reply()
 
@@ -409,14 +422,14 @@ def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
 
         def answer():
             msg = c.reply()  # the verified update goes out before the wait
-            assert list(msg.verified.token_ids) == [10, 40]
+            assert verified(msg)[0][2] == [10, 40]
             time.sleep(0.02)
             c.draft("r", 9, [41, 42, 43])
 
         t = threading.Thread(target=answer)
         t.start()
         t0 = time.monotonic()
-        props = sink.propose([REJECTED], [True], k=3, keys=["r"])
+        props = sink.propose(*rows(REJECTED), [True], k=3, keys=["r"])
         waited = time.monotonic() - t0
         t.join()
         assert props == [[41, 42, 43]]
@@ -442,14 +455,14 @@ def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
     sink = DraftSink(vocab_size=100, max_wait_s=0.05)
     a, b = 0.05, 0.01
     prev = None
-    for rows in [1] * 12 + [8] * 12 + [3] * 2:
+    for count in [1] * 12 + [8] * 12 + [3] * 2:
         if prev is not None:
-            now[0] += a + b * prev + (0.5 if rows != prev else 0.0)
-        active = [True] * rows
-        if rows == 3:
+            now[0] += a + b * prev + (0.5 if count != prev else 0.0)
+        active = [True] * count
+        if count == 3:
             active[0] = False  # a row still in its prefill: not a decode step
-        assert sink.propose([h(1, 2, 3)] * rows, active, k=3) == [[]] * rows
-        prev = rows
+        assert sink.propose(*rows(*[h(1, 2, 3)] * count), active, k=3) == [[]] * count
+        prev = count
     fit = sink._cost_fit.fit()
     assert fit is not None and len(sink._cost_fit) == 22
     assert abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
@@ -465,7 +478,7 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
         _rejected(sink, c)
         sink._draft_token_s = 0.01
         t0 = time.monotonic()
-        assert sink.propose([REJECTED], [True], k=3, keys=["r"]) == [[]]  # nothing ever comes
+        assert sink.propose(*rows(REJECTED), [True], k=3, keys=["r"]) == [[]]  # nothing ever comes
         bound = sink.wait_bound(rows=1, waiting_rows=1, k=3)
         assert 0 < bound <= 0.08
         assert time.monotonic() - t0 < bound + 0.05
@@ -503,7 +516,7 @@ def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
         assert wait_for(lambda: s.stats()["draft_tokens_buffered"] == 10)
         late, ok = [1, 2, 3], [7, 8]
         for step in range(3):
-            out = s.propose([h(*late), h(*ok)], [True, True], k=2, keys=["late", "keeps-up"])
+            out = s.propose(*rows(h(*late), h(*ok)), [True, True], k=2, keys=["late", "keeps-up"])
             assert out == [[], list(range(50 + 3 * step, 52 + 3 * step))], out
             late.append(10 + step)
             ok += list(range(50 + 3 * step, 53 + 3 * step))  # 2 accepted + the bonus
@@ -522,7 +535,7 @@ def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
         c.draft("keeps-up", 12, [1])  # (in order: the late ones came first)
         assert wait_for(lambda: s.stats()["draft_messages"] == 2)
         assert s.stats()["request_errors"] == 0
-        assert s.propose([h(*ok)], [True], k=2, keys=["keeps-up"]) == [[59, 1]]
+        assert s.propose(*rows(h(*ok)), [True], k=2, keys=["keeps-up"]) == [[59, 1]]
         c.close()
     finally:
         s.stop()

@@ -139,7 +139,7 @@ def test_drafts_over_mutual_tls_are_accepted_and_a_rogue_draft_is_refused(setup)
     channel = grpc.secure_channel(spec.sink_address, channel_credentials(rogue),
                                   options=[("grpc.ssl_target_name_override", SERVER_NAME)])
     call = spec_pb2_grpc.DraftSinkStub(channel).Connect(iter([spec_pb2.DraftMessage(
-        open=spec_pb2.OpenRequest(request_id="rogue", prompt_token_ids=[1, 2, 3]))]))
+        open=spec_pb2.OpenRequest(request_id="rogue", ticket="guess"))]))
     with pytest.raises(grpc.RpcError) as refused:
         list(call)
     channel.close()
