@@ -23,9 +23,11 @@ def test_generated_code_matches_the_proto(tmp_path):
 def test_every_message_names_its_request():
     from specserve.v1 import spec_pb2
 
-    for name in ("OpenRequest", "DraftTokens", "CloseRequest", "Verified", "RequestError",
+    for name in ("OpenRequest", "DraftTokens", "CloseRequest", "RequestError",
                  "StartDraft", "CancelDraft"):
         fields = spec_pb2.DESCRIPTOR.message_types_by_name[name].fields_by_name
         assert "request_id" in fields, name
-    for name in ("DraftTokens", "Verified"):
-        assert "position" in spec_pb2.DESCRIPTOR.message_types_by_name[name].fields_by_name
+    assert "position" in spec_pb2.DESCRIPTOR.message_types_by_name["DraftTokens"].fields_by_name
+    # a batch names each of its requests, and where each one's tokens start
+    batch = spec_pb2.DESCRIPTOR.message_types_by_name["VerifiedBatch"].fields_by_name
+    assert {"request_ids", "positions", "counts", "token_ids"} <= set(batch)
