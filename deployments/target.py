@@ -164,12 +164,12 @@ class TargetServer:
             return {}
         import grpc
 
-        from specserve.draft.link import _channel_factory
+        from specserve.wire import channel_factory
         from specserve.tls import TlsFiles
         from specserve.v1 import spec_pb2, spec_pb2_grpc
 
         port = self.sink_address.rsplit(":", 1)[1]
-        channel = _channel_factory(TlsFiles.from_config(self.config.grpc_tls))(f"127.0.0.1:{port}")
+        channel = channel_factory(TlsFiles.from_config(self.config.grpc_tls))(f"127.0.0.1:{port}")
         try:
             msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
                                                                    timeout=10)

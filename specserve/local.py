@@ -250,9 +250,9 @@ class LocalSpec:
         """The target sink's counters per draft (DraftSink.Stats), {} without a sink."""
         if self.sink_address is None:
             return {}
-        from specserve.draft.link import _channel_factory
+        from specserve.wire import channel_factory
 
-        channel = _channel_factory(self.tls)(self.sink_address)
+        channel = channel_factory(self.tls)(self.sink_address)
         try:
             msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
                                                                    timeout=10)

@@ -17,34 +17,11 @@ from collections.abc import Callable
 
 import grpc
 
-from specserve.target.sink import DRAFT_NAME_KEY
 from specserve.v1 import spec_pb2, spec_pb2_grpc
+from specserve import wire
+from specserve.wire import DRAFT_NAME_KEY, unpack_verified
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 8 << 20
-
-
-def _channel_factory(tls) -> Callable[[str], grpc.aio.Channel]:
-    from specserve import tls as tls_mod
-
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    if tls is None:
-        return lambda a: grpc.aio.insecure_channel(a, options=options)
-    creds = tls_mod.channel_credentials(tls)  # read once: a missing file fails here
-    options += tls_mod.channel_options(tls)
-    return lambda a: grpc.aio.secure_channel(a, creds, options=options)
-
-
-def unpack_verified(batch) -> list[tuple[str, int, list[int]]]:
-    """(request id, position, tokens) of each request in a VerifiedBatch."""
-    tokens = list(batch.token_ids)
-    out, at = [], 0
-    for rid, position, n in zip(batch.request_ids, batch.positions, batch.counts):
-        out.append((rid, position, tokens[at : at + n]))
-        at += n
-    return out
 
 
 class SinkLink:
@@ -69,7 +46,7 @@ class SinkLink:
         self._on_verified = on_verified
         self._snapshot = snapshot
         self._max_queued = max_queued
-        self._channel_factory = channel_factory or _channel_factory(tls)
+        self._channel_factory = channel_factory or wire.channel_factory(tls)
         self._queue: asyncio.Queue | None = None  # the live connection's outbox
         self._closed = False
         self.connects = 0

@@ -46,12 +46,10 @@ from specserve.control import policy
 from specserve.control.stepcost import StepCostFit
 from specserve.target.book import NOT_FOUND, RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
 from specserve.v1 import spec_pb2, spec_pb2_grpc
+from specserve.wire import CHANNEL_OPTIONS, DRAFT_NAME_KEY
 
 log = logging.getLogger(__name__)
 
-# gRPC refuses bigger messages; a prompt of 1M tokens fits in ~5 MiB.
-MAX_MESSAGE_BYTES = 8 << 20
-DRAFT_NAME_KEY = "x-specserve-draft"  # call metadata: "model/replica" of a draft
 EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
 # The wait's deadline is a high percentile of the draft's recent round trips
 # (verified update out -> first fresh drafts), higher the more rows wait
@@ -407,10 +405,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="sink"),
             maximum_concurrent_rpcs=max_streams,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
+            options=CHANNEL_OPTIONS,
         )
         spec_pb2_grpc.add_DraftSinkServicer_to_server(self, server)
         if tls is None:

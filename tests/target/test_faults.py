@@ -22,7 +22,7 @@ import pytest
 from conftest import PROMPTS, SLOW_TARGET_ENV, Loop
 from specserve.target.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
-from specserve.draft.link import unpack_verified
+from specserve.wire import unpack_verified
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 pytestmark = pytest.mark.slow

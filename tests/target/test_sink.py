@@ -91,7 +91,7 @@ def rows(*histories):
 
 def verified(msg):
     """The (request id, position, tokens) of a sink message's verified batch."""
-    from specserve.draft.link import unpack_verified
+    from specserve.wire import unpack_verified
 
     assert msg.WhichOneof("kind") == "verified", msg
     return unpack_verified(msg.verified)

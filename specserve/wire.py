@@ -1,0 +1,43 @@
+"""The draft <-> target wire, below both sides: its limits, its call metadata,
+how a client channel to a draft sink is set up, and how a verified batch reads.
+
+The target side (`specserve.target.sink`) and the draft side
+(`specserve.draft.link`) both import from here and never from each other.
+The messages themselves are proto/specserve/v1/spec.proto (generated code in
+`specserve.v1`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# gRPC refuses bigger messages; a prompt of 1M tokens fits in ~5 MiB.
+MAX_MESSAGE_BYTES = 8 << 20
+DRAFT_NAME_KEY = "x-specserve-draft"  # call metadata: "model/replica" of a draft
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def channel_factory(tls) -> Callable[[str], "grpc.aio.Channel"]:  # noqa: F821
+    """address -> an asyncio gRPC channel to a draft sink; tls: a
+    specserve.tls.TlsFiles for mutual TLS (None: plaintext)."""
+    import grpc
+
+    from specserve import tls as tls_mod
+
+    options = list(CHANNEL_OPTIONS)
+    if tls is None:
+        return lambda a: grpc.aio.insecure_channel(a, options=options)
+    creds = tls_mod.channel_credentials(tls)  # read once: a missing file fails here
+    options += tls_mod.channel_options(tls)
+    return lambda a: grpc.aio.secure_channel(a, creds, options=options)
+
+
+def unpack_verified(batch) -> list[tuple[str, int, list[int]]]:
+    """(request id, position, tokens) of each request in a VerifiedBatch."""
+    tokens = list(batch.token_ids)
+    out, at = [], 0
+    for rid, position, n in zip(batch.request_ids, batch.positions, batch.counts):
+        out.append((rid, position, tokens[at : at + n]))
+        at += n
+    return out
