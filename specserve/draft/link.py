@@ -1,9 +1,12 @@
 """SinkLink: a draft replica's stream to one target's draft sink.
 
 Owns one long-lived bidirectional gRPC stream (many requests on it), its
-reconnects, and the protobuf conversion on the draft side. Outgoing messages go
-through a bounded queue and are dropped when it is full: drafts are hints, and
-the next message re-sends the whole window anyway. After a reconnect every live
+reconnects, and the protobuf conversion on the draft side. Drafts are
+coalesced: `send_draft` keeps the latest window per request, and once per turn
+of the event loop (a draft step of the engine) every request's latest window
+goes out in one DraftBatch message. Outgoing messages go through a bounded
+queue and are dropped when it is full: drafts are hints, and the next message
+re-sends the whole window anyway. After a reconnect every live
 request is opened again from its verified history (the sink forgot the old
 stream's requests).
 """
@@ -55,6 +58,10 @@ class SinkLink:
         # When the stream last broke with nothing received since (monotonic s);
         # None while messages arrive. A sink down for long means its target is gone.
         self.down_since: float | None = None
+        self.batches = 0  # DraftBatch messages sent
+        # request id -> its latest window (position, tokens, branches), not sent yet
+        self._pending: dict[str, tuple] = {}
+        self._flush_at_turn = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{address}")
 
     # ---- sending (never blocks) ---------------------------------------------------
@@ -66,12 +73,27 @@ class SinkLink:
 
     def send_draft(self, rid: str, position: int, tokens: list[int],
                    branches: list[tuple[int, list[int]]] = ()) -> None:
-        self._put(spec_pb2.DraftMessage(
-            draft=spec_pb2.DraftTokens(
-                request_id=rid, position=position, token_ids=tokens,
-                branches=[spec_pb2.Branch(fork_position=f, token_ids=t) for f, t in branches])))
+        """A request's window from `position` on (and its branches); a later
+        window of the same request in the same loop turn replaces it."""
+        self._pending[rid] = (position, tokens, branches)
+        if not self._flush_at_turn:
+            self._flush_at_turn = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_at_turn = False
+        if not self._pending:
+            return
+        drafts = [spec_pb2.DraftTokens(
+            request_id=rid, position=position, token_ids=tokens,
+            branches=[spec_pb2.Branch(fork_position=f, token_ids=t) for f, t in branches])
+            for rid, (position, tokens, branches) in self._pending.items()]
+        self._pending.clear()
+        self.batches += 1
+        self._put(spec_pb2.DraftMessage(batch=spec_pb2.DraftBatch(drafts=drafts)))
 
     def close_request(self, rid: str) -> None:
+        self._pending.pop(rid, None)  # a window for a request we close is moot
         self._put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id=rid)))
 
     def _put(self, msg) -> None:

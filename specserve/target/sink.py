@@ -359,43 +359,53 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
 
     def _apply(self, stream: _Stream, msg: spec_pb2.DraftMessage) -> None:
         kind = msg.WhichOneof("kind")
+        if kind == "batch":  # each entry on its own, as a draft message
+            for draft in msg.batch.drafts:
+                if not self._apply_one(stream, "draft", draft):
+                    return
+        else:
+            self._apply_one(stream, kind, getattr(msg, kind) if kind else None)
+
+    def _apply_one(self, stream: _Stream, kind: str | None, part) -> bool:
+        """One open, draft or close; False once the stream is cut off."""
         rid = ""
         try:
             with self._lock:
                 if kind == "open":
-                    rid = msg.open.request_id
+                    rid = part.request_id
                     ticket = self._tickets.get(rid)
                     if ticket is None or not hmac.compare_digest(ticket.encode(),
-                                                                 msg.open.ticket.encode()):
+                                                                 part.ticket.encode()):
                         # the same answer for an unknown id and a wrong ticket
                         raise BookError(NOT_FOUND, f"unknown request {rid!r}")
-                    self._book.attach(rid, stream.id, known=msg.open.verified_position)
+                    self._book.attach(rid, stream.id, known=part.verified_position)
                 elif kind == "draft":
-                    rid = msg.draft.request_id
+                    rid = part.request_id
                     added = self._book.extend(
-                        rid, msg.draft.position, msg.draft.token_ids,
-                        branches=[(b.fork_position, b.token_ids) for b in msg.draft.branches],
+                        rid, part.position, part.token_ids,
+                        branches=[(b.fork_position, b.token_ids) for b in part.branches],
                         stream=stream.id,
                     )
                     if added:
                         self._measure_draft(rid, added)
                         self._arrived.notify_all()
                 elif kind == "close":
-                    rid = msg.close.request_id
+                    rid = part.request_id
                     self._book.detach(rid, stream.id)
                 else:
-                    raise BookError(3, "empty DraftMessage: set open, draft or close")
+                    raise BookError(3, "empty DraftMessage: set open, draft, batch or close")
         except BookError as e:
             with self._lock:
                 self.request_errors += 1
             if e.code == RESOURCE_EXHAUSTED:
                 stream.cut(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
-                return
+                return False
             stream.send(
                 spec_pb2.SinkMessage(
                     error=spec_pb2.RequestError(request_id=rid, code=e.code, message=e.message)
                 )
             )
+        return True
 
     # ---- lifecycle --------------------------------------------------------------
 

@@ -7,14 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftMessage(_message.Message):
-    __slots__ = ("open", "draft", "close")
+    __slots__ = ("open", "draft", "close", "batch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     open: OpenRequest
     draft: DraftTokens
     close: CloseRequest
-    def __init__(self, open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftTokens, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
+    batch: DraftBatch
+    def __init__(self, open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftTokens, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., batch: _Optional[_Union[DraftBatch, _Mapping]] = ...) -> None: ...
+
+class DraftBatch(_message.Message):
+    __slots__ = ("drafts",)
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftTokens]
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftTokens, _Mapping]]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("request_id", "ticket", "verified_position")

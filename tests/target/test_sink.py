@@ -539,3 +539,47 @@ def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
         c.close()
     finally:
         s.stop()
+
+
+def test_a_links_drafts_go_out_as_one_batch_per_loop_turn():
+    """SinkLink coalesces: the windows a draft step sends for many requests
+    (and several for one request) leave as one DraftBatch, latest window each."""
+    import asyncio
+
+    from specserve.draft.link import SinkLink
+
+    sink = DraftSink(vocab_size=100, max_requests=64, max_pending=16)
+    sink.start("127.0.0.1:0")
+    for i in range(50):
+        sink.register(f"r{i}", [1, 2], ticket=f"t{i}")
+
+    async def main():
+        link = SinkLink(f"127.0.0.1:{sink.port}", lambda *a: None, lambda link: [])
+        for _ in range(100):
+            if link._queue is not None:
+                break
+            await asyncio.sleep(0.02)
+        for i in range(50):
+            link.open(f"r{i}", f"t{i}")
+        for i in range(50):  # one draft step: a token for every request ...
+            link.send_draft(f"r{i}", 2, [3])
+            link.send_draft(f"r{i}", 2, [3, 4])  # ... and a newer window for each
+        await asyncio.sleep(0)
+        for _ in range(100):
+            if sink.stats()["draft_tokens_buffered"] == 100:
+                break
+            await asyncio.sleep(0.02)
+        batches = link.batches
+        await link.close()
+        return batches
+
+    try:
+        assert asyncio.run(main()) == 1
+    finally:
+        sink.stop()
+    s = sink.stats()
+    assert s["draft_tokens_buffered"] == 100 and s["draft_messages"] == 50
+    assert s["request_errors"] == 0
+    keys = [f"r{i}" for i in range(50)]
+    tok, lengths = rows(*[h(1, 2, 3)] * 50)
+    assert sink.propose(tok, lengths, [True] * 50, k=2, keys=keys) == [[4]] * 50
