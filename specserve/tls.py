@@ -6,22 +6,14 @@ a client certificate signed by the CA) and a draft's SinkLink (client, checks
 the sink's certificate against the CA). Files are read where they are used, on
 the node of the sink or the draft, so a missing file fails there with its path.
 
-The sink is configured through environment variables (vLLM builds the proposer
-in its own worker processes); `to_env` / `from_env` carry the section there.
-Never touches the HTTP side.
+The sink gets its files with its other settings
+(`specserve.target.sink_settings.SinkSettings`). Never touches the HTTP side.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
-
-ENV_CA = "SPECSERVE_SINK_TLS_CA"
-ENV_CERT = "SPECSERVE_SINK_TLS_CERT"
-ENV_KEY = "SPECSERVE_SINK_TLS_KEY"
-ENV_SERVER_NAME = "SPECSERVE_SINK_TLS_SERVER_NAME"
-
 
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
@@ -37,19 +29,6 @@ class TlsFiles:
             return None
         d = section if isinstance(section, dict) else section.model_dump()
         return cls(d["ca_file"], d["cert_file"], d["key_file"], d.get("server_name"))
-
-    def to_env(self) -> dict[str, str]:
-        env = {ENV_CA: self.ca_file, ENV_CERT: self.cert_file, ENV_KEY: self.key_file}
-        if self.server_name:
-            env[ENV_SERVER_NAME] = self.server_name
-        return env
-
-    @classmethod
-    def from_env(cls, environ=os.environ) -> TlsFiles | None:
-        if not environ.get(ENV_CA):
-            return None
-        return cls(environ[ENV_CA], environ.get(ENV_CERT, ""), environ.get(ENV_KEY, ""),
-                   environ.get(ENV_SERVER_NAME) or None)
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         """(CA, certificate, key) bytes; a missing file names itself and the fix."""

@@ -103,7 +103,10 @@ def test_config_section_round_trip(pki):
                                             "key_file": pki["client_key"],
                                             "server_name": SERVER_NAME}})
     files = TlsFiles.from_config(cfg.grpc_tls)
-    assert files == TlsFiles.from_env(files.to_env())
+    from specserve.target.sink_settings import SinkSettings
+
+    settings = SinkSettings("0.0.0.0:0", max_wait_ms=5.0, tls=files)
+    assert SinkSettings.from_env(settings.to_env()) == settings
     assert TlsFiles.from_config(AppConfig.from_dict({}).grpc_tls) is None
     with pytest.raises(ConfigError, match="key_file"):
         AppConfig.from_dict({"grpc_tls": {"ca_file": "a", "cert_file": "b"}})

@@ -299,9 +299,8 @@ class TargetEngine:
           ray_vllm_*, spec-decode counters included) through Ray's metrics
           agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
         """
-        from specserve.target.proposer import (ENV_ADDRESS, ENV_MAX_WAIT_MS, ENV_PORT_FILE,
-                                               ENV_RELEASE_AFTER)
-        from specserve.tls import ENV_CA, ENV_CERT, ENV_KEY, ENV_SERVER_NAME
+        from specserve.target.sink_settings import ENV as SINK_ENV
+        from specserve.target.sink_settings import SinkSettings
 
         apply_cpu_env(settings)
         extra: dict = {"tensor_parallel_size": tp}
@@ -313,20 +312,15 @@ class TargetEngine:
         port_file = Path(tmp.name) / "sink.port"
         # The engine builds the proposer in its own worker processes, which
         # read their settings from the environment they inherit at spawn.
-        env: dict[str, str | None] = {var: None for var in
-                                      (ENV_ADDRESS, ENV_PORT_FILE, ENV_MAX_WAIT_MS, ENV_RELEASE_AFTER, ENV_CA,
-                                       ENV_CERT, ENV_KEY, ENV_SERVER_NAME)}
+        env: dict[str, str | None] = {SINK_ENV: None}
         if speculative_config is not None:
             extra["speculative_config"] = speculative_config
             k = 0
         elif k > 0:
-            env[ENV_ADDRESS] = sink_bind
-            env[ENV_PORT_FILE] = str(port_file)
-            env[ENV_MAX_WAIT_MS] = str(max_wait_ms)
-            env[ENV_RELEASE_AFTER] = str(release_after_steps)
             if tls is not None:
                 tls.read()  # a missing file fails here, with its path
-                env.update(tls.to_env())
+            env.update(SinkSettings(sink_bind, str(port_file), max_wait_ms=max_wait_ms,
+                                    release_after_steps=release_after_steps, tls=tls).to_env())
             extra["speculative_config"] = proposer.speculative_config(
                 k, os.environ.get(ENV_PROPOSER_CLASS) or proposer.CLASS_PATH)
             # The engine client registers requests with the sink through it.

@@ -5,24 +5,15 @@ The target engine is built with
                         "model": "specserve.target.proposer.RemoteDraftProposer",
                         "num_speculative_tokens": K}
 and vLLM instantiates this class in every worker. In TP rank 0 `load_model`
-starts the draft sink (gRPC) on SPECSERVE_SINK_ADDRESS; other ranks propose
-nothing (vLLM uses rank 0's drafts). Rows are found by request id: the
-worker hook (`specserve.target.worker_hook`) hands the proposer vLLM's input
-batch, whose `req_ids` name each row. `propose` runs inside the engine step: it
-reads what the sink has buffered and returns at once, except for the bounded
-wait after a rejection (specserve/target/sink.py; never longer than
-SPECSERVE_SINK_MAX_WAIT_MS, and only when the rate model says it pays).
-
-Configuration comes from environment variables because the engine builds this
-class itself, in its own worker processes (which inherit the environment):
-  SPECSERVE_SINK_ADDRESS     host:port for the sink (required to serve drafts)
-  SPECSERVE_SINK_PORT_FILE   if set, the bound port is written there
-  SPECSERVE_SINK_MAX_PENDING drafted tokens buffered per request (default 64)
-  SPECSERVE_SINK_MAX_WAIT_MS upper bound of the bounded wait after a rejection
-                             with no matching branch (default 0: never wait;
-                             SpeculationConfig.max_wait_ms)
-  SPECSERVE_SINK_TLS_{CA,CERT,KEY}  mutual TLS on the sink (see specserve/tls.py)
-`specserve.target.engine.TargetEngine.start` sets them.
+starts the draft sink (gRPC) with the settings `TargetEngine.start` left in
+the environment (`specserve.target.sink_settings.SinkSettings`: vLLM builds
+this class itself, in its own worker processes); other ranks propose nothing
+(vLLM uses rank 0's drafts). Rows are found by request id: the worker hook
+(`specserve.target.worker_hook`) hands the proposer vLLM's input batch, whose
+`req_ids` name each row. `propose` runs inside the engine step: it reads what
+the sink has buffered and returns at once, except for the bounded wait after a
+rejection (specserve/target/sink.py; never longer than max_wait_ms, and only
+when the rate model says it pays).
 """
 
 from __future__ import annotations
@@ -35,14 +26,10 @@ import numpy as np
 from specserve import logs
 from specserve.target import worker_hook
 from specserve.target.sink import DraftSink
+from specserve.target.sink_settings import ENV as SINK_ENV
+from specserve.target.sink_settings import SinkSettings
 
 log = logging.getLogger(__name__)
-
-ENV_ADDRESS = "SPECSERVE_SINK_ADDRESS"
-ENV_PORT_FILE = "SPECSERVE_SINK_PORT_FILE"
-ENV_MAX_PENDING = "SPECSERVE_SINK_MAX_PENDING"
-ENV_MAX_WAIT_MS = "SPECSERVE_SINK_MAX_WAIT_MS"
-ENV_RELEASE_AFTER = "SPECSERVE_SINK_RELEASE_AFTER_STEPS"
 
 CLASS_PATH = "specserve.target.proposer.RemoteDraftProposer"
 
@@ -88,27 +75,23 @@ class RemoteDraftProposer:
         if get_tensor_model_parallel_rank() != 0:
             return
         logs.to_stderr("sink")
-        address = os.environ.get(ENV_ADDRESS)
-        if not address:
-            log.warning("%s is not set: the target runs without remote drafts", ENV_ADDRESS)
+        settings = SinkSettings.from_env()
+        if settings is None:
+            log.warning("no sink settings (%s): the target runs without remote drafts", SINK_ENV)
             return
-        max_pending = int(os.environ.get(ENV_MAX_PENDING, "64"))
         sink = DraftSink(
             self.vocab_size,
-            max_pending=max(max_pending, self.k),
+            max_pending=max(settings.max_pending, self.k),
             max_prompt_len=self.max_model_len,
-            max_wait_s=float(os.environ.get(ENV_MAX_WAIT_MS, "0")) / 1000.0,
-            release_after=int(os.environ.get(ENV_RELEASE_AFTER, "0")),
+            max_wait_s=settings.max_wait_ms / 1000.0,
+            release_after=settings.release_after_steps,
         )
-        from specserve.tls import TlsFiles
-
-        port = sink.start(address, tls=TlsFiles.from_env())
-        port_file = os.environ.get(ENV_PORT_FILE)
-        if port_file:
-            tmp = f"{port_file}.tmp"
+        port = sink.start(settings.address, tls=settings.tls)
+        if settings.port_file:
+            tmp = f"{settings.port_file}.tmp"
             with open(tmp, "w") as f:
                 f.write(str(port))
-            os.replace(tmp, port_file)
+            os.replace(tmp, settings.port_file)
         self.sink = sink
 
     def propose(
