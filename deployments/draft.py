@@ -31,7 +31,7 @@ class DraftServer:
         from specserve.config import SpeculationConfig
         from specserve.draft.runner import BranchPlan
         from specserve.draft.worker import DraftWorker
-        from specserve.target.engine import cpu_binding, settings_from
+        from specserve.engine import cpu_binding, settings_from
         from specserve.tls import TlsFiles
 
         self.config = DraftConfig.model_validate(draft)

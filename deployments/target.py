@@ -42,7 +42,8 @@ class TargetServer:
     def __init__(self, config: dict, drafts: dict | None = None):
         from specserve.models import ensure_default_model
         from specserve.placement import target_placement
-        from specserve.target.engine import TargetEngine, cpu_binding, settings_from
+        from specserve.engine import cpu_binding, settings_from
+        from specserve.target.engine import TargetEngine
 
         self.config = AppConfig.model_validate(config)
         logs.to_stderr("target")

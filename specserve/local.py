@@ -34,7 +34,8 @@ import grpc
 
 from specserve.acceptance.record import Acceptance, Figures
 from specserve.config import lookahead_problem, lookahead_tokens
-from specserve.target.engine import EngineSettings, SpecTotals, TargetEngine, cpu_binding
+from specserve.engine import EngineSettings, cpu_binding
+from specserve.target.engine import SpecTotals, TargetEngine
 from specserve.ports import free_port
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 from specserve.local import LocalSpec
-from specserve.target.engine import EngineSettings
+from specserve.engine import EngineSettings
 
 
 class Started(Exception):

@@ -64,7 +64,7 @@ def _context_check(tokenizer, max_model_len: int, prompts: list[str], max_tokens
 async def _generate(args, target: str, draft: str | None, lookahead: int) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
     from specserve.local import LocalSpec, run_prompts, sampling_params, stats_dict
 
     tokenizer = AutoTokenizer.from_pretrained(target)

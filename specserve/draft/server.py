@@ -59,7 +59,7 @@ class DrafterService(spec_pb2_grpc.DrafterServicer):
 async def serve(args) -> None:
     from specserve.draft.runner import BranchPlan
     from specserve.draft.worker import DraftWorker
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
 
     tls = None
     if args.tls_ca:

@@ -16,7 +16,7 @@ import logging
 import os
 
 from specserve.draft.runner import BranchPlan, DraftRunner, VllmDraftModel
-from specserve.target.engine import EngineSettings, apply_cpu_env, engine_args, shutdown_engine
+from specserve.engine import EngineSettings, apply_cpu_env, engine_args, shutdown_engine
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class DraftWorker:
                 fan_out=max(branches.fan_out, 1) if branches is not None else synthetic.FAN_OUT)
             return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
         from specserve.models import resolve_draft
-        from specserve.target.engine import start_engine
+        from specserve.engine import start_engine
 
         apply_cpu_env(settings)
         if cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:

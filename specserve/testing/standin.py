@@ -93,7 +93,7 @@ class StandInTarget:
         from deployments import replica_name
         from specserve.config import AppConfig
         from specserve.placement import target_placement
-        from specserve.target.engine import engine_args, settings_from, use_replica_placement_group
+        from specserve.engine import engine_args, settings_from, use_replica_placement_group
 
         cfg = AppConfig.model_validate(config)
         t = cfg.target

@@ -250,7 +250,7 @@ def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict]
 
 
 async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
     from specserve.local import LocalSpec
     from specserve.tools.measure import (
         SHAPES,

@@ -173,7 +173,7 @@ TOKENS = 256  # 8 x 256 output tokens: ~1600 trials, SE of alpha-hat ~0.01
 def test_acceptance_is_alpha_and_output_is_target_only(tiny_models):
     from transformers import AutoTokenizer
 
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
     from specserve.local import LocalSpec, run_prompts, sampling_params
     from specserve.testing.tiny import greedy_reference
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS, SLOW_TARGET_ENV, Loop
-from specserve.target.engine import EngineSettings
+from specserve.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
 from specserve.wire import unpack_verified
 from specserve.v1 import spec_pb2, spec_pb2_grpc

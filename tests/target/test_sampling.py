@@ -113,7 +113,7 @@ def test_sampling_with_speculation_matches_the_target_distribution(tiny_models, 
 
     from transformers import AutoTokenizer
 
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
     from specserve.local import LocalSpec, sampling_params
 
     target = str(tiny_models["target"])

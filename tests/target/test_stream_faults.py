@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from conftest import PROMPTS, SLOW_TARGET_ENV, Loop
-from specserve.target.engine import EngineSettings
+from specserve.engine import EngineSettings
 from specserve.local import LocalSpec, run_prompts, sampling_params
 from specserve.testing.certs import SERVER_NAME, make_pki
 from specserve.tls import TlsFiles, channel_credentials

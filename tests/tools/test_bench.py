@@ -296,7 +296,7 @@ def test_json_and_png_written(tmp_path):
 
 
 def test_vllm_serve_runs_vllms_server_with_the_targets_engine_settings(tmp_path):
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
     from specserve.tools.bench.vllm_serve import VllmServeBackend
 
     s = EngineSettings(max_model_len=512, seed=3, dtype="float32", kv_cache_gib=2)

@@ -146,7 +146,8 @@ class VllmDraftModelBackend:
         self.started = None
 
     async def start(self):
-        from specserve.target.engine import TargetEngine, cpu_binding
+        from specserve.engine import cpu_binding
+        from specserve.target.engine import TargetEngine
 
         self.started = TargetEngine.start(
             self.target, self.settings, cpus=cpu_binding(1)[0],
@@ -255,7 +256,7 @@ class HttpBackend:
 
 def build_backends(a: BenchArgs, replay, workdir: Path):
     """(system, alpha, factory) in run order; factories build fresh backends."""
-    from specserve.target.engine import EngineSettings
+    from specserve.engine import EngineSettings
     from specserve.local import LocalSpec
 
     s = EngineSettings(max_model_len=a.max_model_len, seed=a.seed, dtype=a.dtype,

@@ -36,7 +36,7 @@ class VllmServeBackend(HttpBackend):
         return cmd
 
     def env(self) -> dict:
-        from specserve.target.engine import cpu_binding
+        from specserve.engine import cpu_binding
 
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.kv_cache_gib or 1))
