@@ -27,6 +27,25 @@ from specserve.wire import DRAFT_NAME_KEY, unpack_verified
 log = logging.getLogger(__name__)
 
 
+def pack_drafts(windows: dict) -> spec_pb2.DraftBatch:
+    """A DraftBatch from {request id: (position, tokens, [(fork, tokens), ...])}."""
+    ids, positions, counts, tokens = [], [], [], []
+    owner, forks, bcounts, btokens = [], [], [], []
+    for i, (rid, (position, toks, branches)) in enumerate(windows.items()):
+        ids.append(rid)
+        positions.append(position)
+        counts.append(len(toks))
+        tokens += toks
+        for fork, bt in branches:
+            owner.append(i)
+            forks.append(fork)
+            bcounts.append(len(bt))
+            btokens += bt
+    return spec_pb2.DraftBatch(request_ids=ids, positions=positions, counts=counts,
+                               token_ids=tokens, branch_of=owner, fork_positions=forks,
+                               branch_counts=bcounts, branch_token_ids=btokens)
+
+
 class SinkLink:
     def __init__(
         self,
@@ -84,13 +103,10 @@ class SinkLink:
         self._flush_at_turn = False
         if not self._pending:
             return
-        drafts = [spec_pb2.DraftTokens(
-            request_id=rid, position=position, token_ids=tokens,
-            branches=[spec_pb2.Branch(fork_position=f, token_ids=t) for f, t in branches])
-            for rid, (position, tokens, branches) in self._pending.items()]
+        batch = pack_drafts(self._pending)
         self._pending.clear()
         self.batches += 1
-        self._put(spec_pb2.DraftMessage(batch=spec_pb2.DraftBatch(drafts=drafts)))
+        self._put(spec_pb2.DraftMessage(batch=batch))
 
     def close_request(self, rid: str) -> None:
         self._pending.pop(rid, None)  # a window for a request we close is moot

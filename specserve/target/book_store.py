@@ -138,7 +138,7 @@ class SlotStore:
         if before is not None:
             gone &= forks < (np.asarray(before)[:, None] if np.ndim(s) else before)
         if since is not None:
-            gone &= forks >= since
+            gone &= forks >= (np.asarray(since)[:, None] if np.ndim(s) else since)
         n = int(self.blen[s][gone].sum())
         if gone.any():
             self.fork[s] = np.where(gone, -1, forks)

@@ -359,12 +359,34 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
 
     def _apply(self, stream: _Stream, msg: spec_pb2.DraftMessage) -> None:
         kind = msg.WhichOneof("kind")
-        if kind == "batch":  # each entry on its own, as a draft message
-            for draft in msg.batch.drafts:
-                if not self._apply_one(stream, "draft", draft):
-                    return
+        if kind == "batch":
+            self._apply_batch(stream, msg.batch)
         else:
             self._apply_one(stream, kind, getattr(msg, kind) if kind else None)
+
+    def _apply_batch(self, stream: _Stream, batch: spec_pb2.DraftBatch) -> None:
+        """Every window of a DraftBatch into the book at once; a refused entry
+        gets its per-request error, a malformed batch one error for all."""
+        try:
+            with self._lock:
+                added, errors = self._book.extend_batch(
+                    stream.id, list(batch.request_ids), batch.positions, batch.counts,
+                    batch.token_ids, batch.branch_of, batch.fork_positions,
+                    batch.branch_counts, batch.branch_token_ids)
+                if added.any():
+                    for i in np.flatnonzero(added).tolist():
+                        rid = batch.request_ids[i]
+                        if rid in self._miss_sent:
+                            self._measure_draft(rid, int(added[i]))
+                    self._arrived.notify_all()
+        except BookError as e:
+            errors = [("", e)]
+        if errors:
+            with self._lock:
+                self.request_errors += len(errors)
+            for rid, e in errors:
+                stream.send(spec_pb2.SinkMessage(error=spec_pb2.RequestError(
+                    request_id=rid, code=e.code, message=e.message)))
 
     def _apply_one(self, stream: _Stream, kind: str | None, part) -> bool:
         """One open, draft or close; False once the stream is cut off."""

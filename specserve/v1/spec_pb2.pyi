@@ -19,10 +19,24 @@ class DraftMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftTokens, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., batch: _Optional[_Union[DraftBatch, _Mapping]] = ...) -> None: ...
 
 class DraftBatch(_message.Message):
-    __slots__ = ("drafts",)
-    DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    drafts: _containers.RepeatedCompositeFieldContainer[DraftTokens]
-    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftTokens, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("request_ids", "positions", "counts", "token_ids", "branch_of", "fork_positions", "branch_counts", "branch_token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_OF_FIELD_NUMBER: _ClassVar[int]
+    FORK_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    branch_of: _containers.RepeatedScalarFieldContainer[int]
+    fork_positions: _containers.RepeatedScalarFieldContainer[int]
+    branch_counts: _containers.RepeatedScalarFieldContainer[int]
+    branch_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., branch_of: _Optional[_Iterable[int]] = ..., fork_positions: _Optional[_Iterable[int]] = ..., branch_counts: _Optional[_Iterable[int]] = ..., branch_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("request_id", "ticket", "verified_position")

@@ -500,3 +500,59 @@ def test_a_reattached_draft_hears_what_it_missed_from_where_it_knows():
     b.attach("r", stream=2, known=3)  # the draft knows [1 2 5]
     props, updates = b.propose([h(1, 2, 5, 6, 8, 9)], K, K + 1, keys=["r"])
     assert [(u.position, u.token_ids, u.stream) for u in updates] == [(3, [6, 8, 9], 2)]
+
+
+def test_a_batch_of_windows_lands_as_the_same_windows_one_by_one():
+    """extend_batch over many requests at once leaves every S, branch and
+    counter as extending them one message at a time does (random windows:
+    fresh, overlapping, stale, rewriting, with and without branches)."""
+    rng = np.random.default_rng(3)
+    one, many = book(max_branches=4, max_branch_len=5), book(max_branches=4, max_branch_len=5)
+    keys = [("s", str(i)) for i in range(12)]
+    for b in (one, many):
+        for key in keys:
+            b.open(key, [1, 2, 3])
+    for step in range(60):
+        batch = []
+        for key in keys:
+            if rng.random() < 0.3:
+                continue
+            length = one.sequence(key)[1]
+            pos = int(rng.integers(max(3, length - 2), length + 3))
+            toks = rng.integers(0, 6, int(rng.integers(0, 6))).tolist()
+            branches = [(int(pos + rng.integers(0, 4)), rng.integers(0, 6, int(rng.integers(1, 4))).tolist())
+                        for _ in range(int(rng.integers(0, 3)))]
+            batch.append((key, pos, toks, branches))
+        for key, pos, toks, branches in batch:
+            one.extend(key, pos, toks, branches)
+        many.extend_batch(
+            None, [b[0] for b in batch], [b[1] for b in batch], [len(b[2]) for b in batch],
+            [t for b in batch for t in b[2]],
+            branch_of=[i for i, b in enumerate(batch) for _ in b[3]],
+            forks=[f for b in batch for f, _ in b[3]],
+            bcounts=[len(t) for b in batch for _, t in b[3]],
+            btokens=[x for b in batch for _, t in b[3] for x in t])
+        if step % 3 == 0:  # the target verifies a token of some rows
+            rows = [h(*one.sequence(key)[0][: one.sequence(key)[1] + 1]) for key in keys]
+            for b in (one, many):
+                b.propose(rows, K, K + 1, keys=keys)
+        for key in keys:
+            assert one.sequence(key) == many.sequence(key), (step, key)
+            assert {f: t.tolist() for f, t in one._entries[key].branches.items()} == \
+                {f: t.tolist() for f, t in many._entries[key].branches.items()}, (step, key)
+    assert one.stats == many.stats and one.branch_tokens == many.branch_tokens
+
+
+def test_a_malformed_batch_is_refused_whole_and_bad_entries_alone():
+    b = book()
+    b.open(("s", "a"), [1, 2])
+    b.open(("s", "b"), [1, 2])
+    with pytest.raises(BookError) as e:  # counts do not add up to the tokens
+        b.extend_batch("s", [("s", "a")], [2], [3], [5, 6])
+    assert e.value.code == INVALID_ARGUMENT
+    added, errors = b.extend_batch("s", [("s", "a"), ("s", "zz"), ("s", "b")], [2, 2, 2],
+                                   [2, 1, 2], [5, 6, 7, 500, 9])
+    assert added.tolist() == [2, 0, 0]
+    assert [(k, err.code) for k, err in errors] == [(("s", "zz"), NOT_FOUND),
+                                                    (("s", "b"), INVALID_ARGUMENT)]
+    assert b.sequence(("s", "a"))[0] == [1, 2, 5, 6] and b.sequence(("s", "b"))[0] == [1, 2]
