@@ -635,9 +635,11 @@ class DraftBook:
         width = int(plen.max())
         if width:
             drafted = store.ring[s[:, None], (n[:, None] + np.arange(width)) & (W - 1)]
-            listed = drafted.tolist()
-            for i in np.flatnonzero(plen).tolist():
-                proposals[int(rows[i])] = listed[i][: plen[i]]
+            got = np.flatnonzero(plen)
+            # (lists, not numpy scalars: this loop is the step's only one per row)
+            for row, tokens, count in zip(rows[got].tolist(), drafted[got].tolist(),
+                                          plen[got].tolist()):
+                proposals[row] = tokens[:count] if count < width else tokens
         noted = attached & ~finishing
         outcome = store.outcome[s]
         covered = plen > 0
@@ -651,14 +653,15 @@ class DraftBook:
         waiting = noted & ~covered & ((outcome == st.REJECTED) | (outcome == st.ACCEPTED))
         self._add("wait_rows", sidx, waiting)
         key_of = self._key_of
-        self.misses = [(int(rows[i]), key_of[s[i]]) for i in np.flatnonzero(waiting)]
+        self.misses = [(row, key_of[slot]) for row, slot in
+                       zip(rows[waiting].tolist(), s[waiting].tolist())]
         self.stats.rows_with_proposals += int(covered.sum())
         self.stats.proposed_tokens += int(plen.sum())
         ns = s[noted]
         store.uncovered[ns] = np.where(covered[noted], 0, store.uncovered[ns] + 1)
         if self.release_after:
             late = ns[store.uncovered[ns] >= self.release_after]
-            self._uncovered = [key_of[x] for x in late]
+            self._uncovered = [key_of[x] for x in late.tolist()]
         store.last_start[ns] = n[noted]
         store.last_len[ns] = plen[noted]
         if width:
@@ -673,8 +676,8 @@ class DraftBook:
             m = j < count[:, None]
             flat = tok[rows[ui][:, None], np.minimum(start[:, None] + j, (n[ui] - 1)[:, None])][m]
             streams = self._streams
-            verified = Verified([key_of[x] for x in s[ui]], [streams[x] for x in sidx[ui]],
-                                start, count, flat)
+            verified = Verified([key_of[x] for x in s[ui].tolist()],
+                                [streams[x] for x in sidx[ui].tolist()], start, count, flat)
             store.reported[s[ui]] = n[ui]
         return proposals, verified
 
