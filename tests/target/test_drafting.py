@@ -32,8 +32,14 @@ def output(index, tokens, finish=None, histogram=None):
 class FakeEngine:
     model_config = "the engine's"
 
-    def __init__(self, steps, fail=False, hang=False):
+    def __init__(self, steps, fail=False, hang=False, sink=True):
         self.steps, self.fail, self.hang, self.calls = steps, fail, hang, []
+        self.sink = sink  # whether TP rank 0 has a sink that takes registrations
+        self.rpcs = []  # the worker hook's calls: (method, args)
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.rpcs.append((method, args))
+        return [self.sink, False]  # rank 0, rank 1 (no sink there)
 
     async def generate(self, prompt, params, request_id, **kw):
         self.calls.append((prompt, request_id, kw))
@@ -50,8 +56,9 @@ class Drafts:
     def __init__(self):
         self.opened, self.closed = [], 0
 
-    def __call__(self, pool, rid, ids, max_tokens, k):
+    def __call__(self, pool, rid, ids, max_tokens, k, ticket):
         self.opened.append((pool, rid, ids, max_tokens, k))
+        self.tickets = getattr(self, "tickets", []) + [ticket]
         owner = self
 
         class Stream:
@@ -83,6 +90,13 @@ def test_one_draft_stream_with_the_routers_k_and_a_record_from_vllms_figures():
                                          params())
         assert len(outs) == 2  # vLLM's outputs, unchanged
         assert drafts.opened == [("same", "cmpl-1-0", [1, 2, 3], 8, 2)] and drafts.closed == 1
+        # registered with the sink first (id, prompt, the ticket the draft got,
+        # K, end = prompt + max_tokens), unregistered at the end
+        await asyncio.sleep(0)
+        (reg, args), (unreg, uargs) = engine.rpcs
+        assert reg == "specserve_register" and unreg == "specserve_unregister"
+        assert args == ("cmpl-1-0", [1, 2, 3], drafts.tickets[0], 2, 3 + 8)
+        assert uargs == ("cmpl-1-0",) and len(drafts.tickets[0]) >= 16
         [record] = route.records
         r, a = record.report, record.acceptance
         assert (r.draft_model, r.draft_replica, a.k, a.output_tokens) == ("same", "r1", 2, 3)
@@ -103,7 +117,9 @@ def test_n_sequences_get_a_draft_stream_each_and_a_record_each():
         route = Route("same", 9)  # more than the engine's K: capped at 4
         outs, drafts, _ = await run(engine, route, {"prompt_token_ids": [1]},
                                     params(n=2, kind="FINAL_ONLY"))
-        assert [o[1] for o in drafts.opened] == ["cmpl-1-0/0", "cmpl-1-0/1"]
+        # vLLM's own names for the sequences of an n > 1 request
+        assert [o[1] for o in drafts.opened] == ["0_cmpl-1-0", "1_cmpl-1-0"]
+        assert len(set(drafts.tickets)) == 2
         assert {o[4] for o in drafts.opened} == {4} and drafts.closed == 2
         assert [(r.output_tokens, r.report.draft_replica) for r in route.records] == [
             (3, "r1"), (4, "r2")]
@@ -119,6 +135,18 @@ def test_no_draft_pool_means_no_drafts_but_still_a_record():
         assert drafts.opened == []
         [r] = route.records
         assert r.report.draft_model is None and r.acceptance.k == 0 and r.output_tokens == 1
+
+    asyncio.run(go())
+
+
+def test_a_sequence_the_sink_did_not_take_runs_without_a_draft():
+    async def go():
+        route = Route("same", 4)
+        engine = FakeEngine([[output(0, [5])], [output(0, [6], "length")]], sink=False)
+        _, drafts, _ = await run(engine, route, {"prompt_token_ids": [1]}, params())
+        assert drafts.opened == [] and engine.rpcs[0][0] == "specserve_register"
+        [r] = route.records
+        assert r.report.draft_model is None and r.acceptance.k == 0  # ran alone
 
     asyncio.run(go())
 
