@@ -64,6 +64,7 @@ class TargetServer:
             tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
             max_wait_ms=self.config.speculation.max_wait_ms,
             release_after_steps=self.config.speculation.release_after_steps,
+            max_stream_messages_per_s=self.config.speculation.max_stream_messages_per_s,
             distributed_executor_backend=None if executor == "uni" else executor,
             engine_metrics=True)  # vLLM's own metrics, for vLLM's dashboards
         # The engine, its counters and its measured decode step cost (a + b ·

@@ -74,6 +74,13 @@ class SpeculationConfig(_Strict):
                     "branch, the target may hold a step this long at most for fresh drafts; "
                     "the rate model (specserve.control.policy.wait_bound) picks less, or 0 "
                     "when the batch is large or drafts are poor. 0: never wait.")
+    max_stream_messages_per_s: int = Field(
+        2000, ge=10, le=1_000_000,
+        description="The most messages one draft stream may send a target's sink per second "
+                    "(a burst of one second's worth allowed); a stream past it is cut off "
+                    "(RESOURCE_EXHAUSTED) so that it cannot starve the others. A draft "
+                    "replica sends one batch per draft step (about 250 a second), plus opens "
+                    "and closes.")
     k_control: KControlConfig = Field(
         default_factory=KControlConfig,
         description="The K controller's thresholds: when figures are trusted, probing, margin.")

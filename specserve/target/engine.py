@@ -136,6 +136,7 @@ class TargetEngine:
               cpus: str | None = None, distributed_executor_backend: str | None = None,
               speculative_config: dict | None = None,
               max_wait_ms: float = 0.0, release_after_steps: int = 0,
+              max_stream_messages_per_s: int = 2000,
               engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 
@@ -148,6 +149,8 @@ class TargetEngine:
         max_wait_ms: the sink's bounded wait at most (SpeculationConfig.max_wait_ms).
         release_after_steps: the sink gives a request's drafts up after this
           many steps in a row without any (SpeculationConfig.release_after_steps).
+        max_stream_messages_per_s: a draft stream sending more is cut off
+          (SpeculationConfig.max_stream_messages_per_s).
         engine_metrics: also export vLLM's own engine metrics (vllm:* as
           ray_vllm_*, spec-decode counters included) through Ray's metrics
           agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
@@ -173,7 +176,9 @@ class TargetEngine:
             if tls is not None:
                 tls.read()  # a missing file fails here, with its path
             env.update(SinkSettings(sink_bind, str(port_file), max_wait_ms=max_wait_ms,
-                                    release_after_steps=release_after_steps, tls=tls).to_env())
+                                    release_after_steps=release_after_steps,
+                                    max_stream_messages_per_s=max_stream_messages_per_s,
+                                    tls=tls).to_env())
             extra["speculative_config"] = proposer.speculative_config(
                 k, os.environ.get(ENV_PROPOSER_CLASS) or proposer.CLASS_PATH)
             # The engine client registers requests with the sink through it.

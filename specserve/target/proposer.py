@@ -85,6 +85,7 @@ class RemoteDraftProposer:
             max_prompt_len=self.max_model_len,
             max_wait_s=settings.max_wait_ms / 1000.0,
             release_after=settings.release_after_steps,
+            max_stream_messages_per_s=settings.max_stream_messages_per_s,
         )
         port = sink.start(settings.address, tls=settings.tls)
         if settings.port_file:

@@ -71,9 +71,13 @@ class WaitFigures:
 class _Stream:
     """Outbound side of one connected draft stream."""
 
-    def __init__(self, stream_id: int, peer: str, max_queued: int):
+    def __init__(self, stream_id: int, peer: str, max_queued: int, rate: float = 0.0):
         self.id = stream_id
         self.peer = peer
+        # a token bucket of messages: `rate` a second, a burst of one second's
+        self.rate = rate
+        self._allowance = rate
+        self._checked = time.monotonic()
         self.out: queue.Queue = queue.Queue(maxsize=max_queued)
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.done = threading.Event()
@@ -85,6 +89,16 @@ class _Stream:
             self.out.put_nowait(msg)
         except queue.Full:
             self.cut(grpc.StatusCode.RESOURCE_EXHAUSTED, "draft is not reading verified updates")
+
+    def within_rate(self) -> bool:
+        """Count one incoming message; False once the stream is past its rate."""
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        self._allowance = min(self.rate, self._allowance + (now - self._checked) * self.rate)
+        self._checked = now
+        self._allowance -= 1.0
+        return self._allowance >= 0.0
 
     def cut(self, code: grpc.StatusCode, message: str) -> None:
         if self.abort is None:
@@ -106,7 +120,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         max_branches: int = 32,
         max_branch_len: int = 16,
         release_after: int = 0,
+        max_stream_messages_per_s: float = 0.0,
     ):
+        """max_stream_messages_per_s: a stream sending more is cut off (0: no bound)."""
+        self.max_stream_messages_per_s = max_stream_messages_per_s
         self._book = DraftBook(
             vocab_size,
             max_requests=max_requests,
@@ -312,7 +329,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
     # ---- the gRPC side ----------------------------------------------------------
 
     def Connect(self, request_iterator, context) -> Iterator[spec_pb2.SinkMessage]:
-        stream = _Stream(next(self._ids), context.peer(), self._max_queued)
+        stream = _Stream(next(self._ids), context.peer(), self._max_queued,
+                         self.max_stream_messages_per_s)
         stream.name = dict(context.invocation_metadata() or ()).get(DRAFT_NAME_KEY, "") or "?"
         with self._lock:
             self._streams[stream.id] = stream
@@ -347,6 +365,11 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         try:
             for msg in request_iterator:
                 if stream.done.is_set():
+                    return
+                if not stream.within_rate():
+                    stream.cut(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"draft stream sent more than {stream.rate:.0f} messages a second "
+                               "(speculation.max_stream_messages_per_s); drafts batch their windows")
                     return
                 self._apply(stream, msg)
         except grpc.RpcError:

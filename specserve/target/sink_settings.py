@@ -28,6 +28,8 @@ class SinkSettings:
     # give a request's drafts up after this many steps in a row without any
     # (SpeculationConfig.release_after_steps; 0: never)
     release_after_steps: int = 0
+    # one draft stream's messages per second at most (SpeculationConfig's)
+    max_stream_messages_per_s: int = 2000
     tls: TlsFiles | None = None  # mutual TLS on the sink
 
     def to_env(self) -> dict[str, str]:

@@ -583,3 +583,23 @@ def test_a_links_drafts_go_out_as_one_batch_per_loop_turn():
     keys = [f"r{i}" for i in range(50)]
     tok, lengths = rows(*[h(1, 2, 3)] * 50)
     assert sink.propose(tok, lengths, [True] * 50, k=2, keys=keys) == [[4]] * 50
+
+
+def test_a_stream_over_its_message_rate_is_cut_off_and_others_go_on():
+    sink = DraftSink(vocab_size=100, max_requests=8, max_pending=16,
+                     max_stream_messages_per_s=50)
+    sink.start("127.0.0.1:0")
+    try:
+        good = Client(sink)
+        good.open("r", [1, 2])
+        flood = Client(sink)
+        for i in range(200):  # far past 50 a second (one second's burst)
+            flood.draft("unknown", 2, [3])
+        assert wait_for(lambda: flood.status is not None)
+        assert flood.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+        good.draft("r", 2, [3, 4])
+        assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 2)
+        assert good.status is None
+        good.close()
+    finally:
+        sink.stop()
