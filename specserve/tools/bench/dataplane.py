@@ -1,0 +1,466 @@
+"""`specserve bench dataplane`: the draft -> target data plane alone, no model, no GPU.
+
+Owns the run: building the real proposer and sink in this process (the target
+worker's arrangement: `RemoteDraftProposer` with its `DraftSink`, a gRPC server
+on threads beside the engine loop), starting the emulated draft replicas in
+their own processes (`specserve/tools/bench/dataplane_draft.py`, each a real
+`SinkLink`), the emulated engine loop that calls `propose()` with vLLM's own
+arguments, and the cells. The workload and the figures are pure
+(`specserve/tools/bench/dataplane_workload.py`).
+
+The emulated engine step: propose() (timed), then the emulated verification
+(each row gains its accepted tokens + 1 of its true continuation T_r; a row at
+its context limit is replaced by a new request), then the model runner: a
+pure-Python busy loop that holds the GIL for `gil_ms` of work (calibrated once,
+so threads competing for the GIL make it take longer, as they would make a real
+runner's kernel launches late), then `time.sleep` for the rest of the step
+(the GPU; the GIL is released). `loop_slowdown` compares the mean step with
+drafts against the same loop without proposer and drafts.
+
+The seams the registered, id-keyed plane (issue 24 items 1-3) changes are all
+here, under "seams": `start_request` (register with the sink when it can,
+then hand the request to its draft), `attach` (give the proposer vLLM's input
+batch when it takes one) and `_Watch` (the round-trip and ingest timing,
+which reads the book's verified updates and draft messages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import os
+import queue
+import secrets
+import sys
+import time
+import types
+from collections.abc import Callable
+
+import numpy as np
+
+from specserve.tools.bench import dataplane_draft
+from specserve.tools.bench.dataplane_workload import (Plan, accepted, cell_figures, minus,
+                                                      plan_output, true_tokens)
+
+OPEN_TIMEOUT_S = 120.0  # every request of a cell open in the sink (1 024 long prompts)
+CLOSE_TIMEOUT_S = 30.0
+UNANSWERED_S = 2.0  # a verified update with no answer by then is counted unanswered
+
+
+def progress(msg: str) -> None:
+    print(f"[dataplane {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+# ---- the real proposer, built without vLLM's engine ----------------------------------
+
+
+def build_proposer(plan: Plan, max_model_len: int):
+    """`RemoteDraftProposer` and its sink as vLLM's worker builds them (TP rank 0),
+    settings through the environment as `TargetEngine.start` sets them."""
+    from unittest import mock
+
+    from specserve.target import proposer as prop
+
+    # What the proposer reads of vLLM's VllmConfig.
+    config = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=plan.k),
+        model_config=types.SimpleNamespace(get_vocab_size=lambda: plan.draft.vocab,
+                                           max_model_len=max_model_len))
+    env = {prop.ENV_ADDRESS: "127.0.0.1:0", prop.ENV_MAX_WAIT_MS: str(plan.max_wait_ms),
+           prop.ENV_RELEASE_AFTER: "0"}
+    saved = {k: os.environ.get(k) for k in (*env, prop.ENV_PORT_FILE)}
+    os.environ.update(env)
+    os.environ.pop(prop.ENV_PORT_FILE, None)
+    try:
+        proposer = prop.RemoteDraftProposer(config)  # applies vllm_fixes: imports vLLM
+        # Outside a vLLM worker there is no tensor-parallel group; this process is rank 0.
+        with mock.patch("vllm.distributed.get_tensor_model_parallel_rank", return_value=0):
+            proposer.load_model()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if proposer.sink is None:
+        raise RuntimeError("the proposer started no sink")
+    return proposer
+
+
+class DraftProcesses:
+    """The emulated draft replicas: spawned processes, one command queue each."""
+
+    def __init__(self, n: int, address: str, plan):
+        ctx = multiprocessing.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(n)]
+        self.procs = [ctx.Process(target=dataplane_draft.run_replica, daemon=True,
+                                  args=(i, address, plan, self.commands[i], self.results),
+                                  name=f"dataplane-draft-{i}") for i in range(n)]
+        self._of: dict[str, int] = {}  # request -> replica
+        self._next = 0
+        for p in self.procs:
+            p.start()
+        self._collect("ready", None, timeout=60.0)
+
+    def _collect(self, kind: str, tag, timeout: float) -> list:
+        got, deadline = {}, time.monotonic() + timeout
+        while len(got) < len(self.procs):
+            if any(not p.is_alive() for p in self.procs):
+                raise RuntimeError("a draft process died (see its log above)")
+            try:
+                msg = self.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"draft processes did not answer {kind!r} in {timeout} s")
+                continue
+            if msg[0] == kind and msg[2] == tag:
+                got[msg[1]] = msg
+        return [got[i] for i in range(len(self.procs))]
+
+    def start(self, rid, seed, n_prompt, end, k, ticket) -> None:
+        i = self._of[rid] = self._next % len(self.procs)
+        self._next += 1
+        self.commands[i].put(("start", rid, seed, n_prompt, end, k, ticket))
+
+    def stop(self, rid: str) -> None:
+        i = self._of.pop(rid, None)
+        if i is not None:
+            self.commands[i].put(("stop", rid))
+
+    def set_plan(self, plan) -> None:
+        for q in self.commands:
+            q.put(("plan", plan))
+
+    def report(self, tag: str) -> tuple[dict, float]:
+        """Counters summed over the replicas, and the mean time they were read."""
+        for q in self.commands:
+            q.put(("report", tag))
+        msgs = self._collect("report", tag, timeout=30.0)
+        total: dict = {}
+        for m in msgs:
+            for k, v in m[3].items():
+                total[k] = total.get(k, 0) + v
+        return total, sum(m[4] for m in msgs) / len(msgs)
+
+    def close(self) -> None:
+        for q in self.commands:
+            with contextlib.suppress(Exception):
+                q.put(("quit",))
+        for p in self.procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+
+
+# ---- seams: what the registered, id-keyed plane changes ------------------------------
+
+
+def start_request(sink, drafts: DraftProcesses, rid: str, seed: int, n_prompt: int, end: int,
+                  k: int, vocab: int) -> None:
+    """Start one request's drafting: the one place the harness starts requests.
+    With a sink that registers requests (issue 24 item 2) the target registers
+    it first and the draft presents the ticket; today the draft opens it with
+    its prompt (`dataplane_draft.open_request`)."""
+    ticket = None
+    if hasattr(sink, "register"):
+        ticket = sink.register(rid, true_tokens(seed, 0, n_prompt, vocab).tolist(), end=end, k=k)
+    drafts.start(rid, seed, n_prompt, end, k, ticket)
+
+
+def end_request(sink, drafts: DraftProcesses, rid: str) -> None:
+    """A request left the batch: its draft closes it (today the only way the sink forgets it)."""
+    drafts.stop(rid)
+
+
+def attach(proposer, batch) -> None:
+    """Hand the proposer vLLM's input batch (rows by vLLM request id), when it takes one."""
+    if hasattr(proposer, "attach_batch"):
+        proposer.attach_batch(batch)
+
+
+class _Watch:
+    """Round trips: a verified update out of propose() -> the draft's first message
+    built on it (its window starts at or past the update's end) applied to the book.
+
+    Wraps the sink's book's `propose` (to see the updates it hands out, and when)
+    and `extend` (to see, per request, when a message built on a newer verified
+    position first arrives). Both wrappers cost a clock read and a dict update,
+    in the same threads as the calls they wrap."""
+
+    def __init__(self, sink):
+        book = sink._book
+        self._propose, self._extend = book.propose, book.extend
+        book.propose, book.extend = self._on_propose, self._on_extend
+        self.handed: list = []  # (updates, when), drained by collect()
+        self.newest: dict = {}  # key -> (position, when) of the first message built on it
+        self.waiting: dict = {}  # key -> [(end, when sent)], oldest first
+        self.round_trips: list[float] = []
+        self.unanswered = 0
+
+    def _on_propose(self, *args, **kwargs):
+        proposals, updates = self._propose(*args, **kwargs)
+        if updates:
+            self.handed.append((updates, time.monotonic()))
+        return proposals, updates
+
+    def _on_extend(self, key, position, *args, **kwargs):
+        last = self.newest.get(key)
+        if last is None or position > last[0]:
+            self.newest[key] = (position, time.monotonic())
+        return self._extend(key, position, *args, **kwargs)
+
+    def collect(self, now: float) -> None:
+        """Match the updates handed out with answers seen (called between steps)."""
+        handed, self.handed = self.handed, []
+        for updates, when in handed:
+            for u in updates:
+                self.waiting.setdefault(u.key, []).append((u.position + len(u.token_ids), when))
+        for key in list(self.waiting):
+            pending = self.waiting[key]
+            seen = self.newest.get(key)
+            while pending and seen is not None and seen[0] >= pending[0][0] \
+                    and seen[1] >= pending[0][1]:
+                self.round_trips.append(seen[1] - pending.pop(0)[1])
+            while pending and now - pending[0][1] > UNANSWERED_S:
+                pending.pop(0)
+                self.unanswered += 1
+            if not pending:
+                del self.waiting[key]
+        if len(self.newest) > 65536:  # closed requests' entries
+            self.newest = {k: v for k, v in self.newest.items() if k in self.waiting}
+
+    def reset(self) -> None:
+        self.round_trips, self.unanswered = [], 0
+
+    def forget(self) -> None:
+        """Between cells: nothing outstanding carries over."""
+        self.collect(time.monotonic())
+        self.waiting, self.newest = {}, {}
+
+
+# ---- the emulated engine loop ---------------------------------------------------------
+
+
+def calibrate_gil(hold_s: float) -> int:
+    """Busy-loop iterations that take hold_s here with nothing competing (best of 5)."""
+    n = 200_000
+    best = min(_timed_busy(n) for _ in range(5))
+    return max(1, int(n * hold_s / best))
+
+
+def _timed_busy(n: int) -> float:
+    t = time.perf_counter()
+    _busy(n)
+    return time.perf_counter() - t
+
+
+def _busy(n: int) -> int:
+    x = 0
+    for _ in range(n):  # pure bytecode: holds the GIL but for the switch interval
+        x += 1
+    return x
+
+
+class EngineLoop:
+    """vLLM's model runner as the proposer sees it: rows, their token ids, one step at a time."""
+
+    def __init__(self, rows: int, context: int, plan: Plan, gil_work: int, proposer=None,
+                 drafts: DraftProcesses | None = None, rng_seed: int = 0):
+        self.rows, self.context, self.plan = rows, context, plan
+        self.k, self.vocab = plan.k, plan.draft.vocab
+        self.gil_work = gil_work
+        self.gpu_s = (plan.step_ms - plan.gil_ms) / 1000.0
+        self.proposer, self.drafts = proposer, drafts
+        self.sink = proposer.sink if proposer is not None else None
+        self.output = plan_output(plan, context)
+        self.rng = np.random.default_rng(rng_seed)
+        # vLLM's arguments: token_ids_cpu [rows, max context] int32, num_tokens_no_spec, sampled
+        self.token_ids = np.zeros((rows, context), dtype=np.int32)
+        self.truth = np.zeros((rows, context), dtype=np.int32)  # T_r of each row's request
+        self.num_tokens = np.zeros(rows, dtype=np.int32)
+        self.sampled: list[list[int]] = [[] for _ in range(rows)]
+        self.batch = types.SimpleNamespace(req_ids=[""] * rows)  # vLLM's InputBatch.req_ids
+        self.rids = [""] * rows  # engine request ids
+        self._seeds = iter(range(plan.seed * 1_000_000_007 + rows * context, 1 << 62))
+        self.gained = self.verify_steps = 0
+
+    def start_all(self) -> None:
+        """Every row a request somewhere in its output (staggered, so they do not all end at once)."""
+        if self.proposer is not None:
+            attach(self.proposer, self.batch)
+        for i in range(self.rows):
+            self._new_request(i, done=int(self.rng.integers(0, self.output)))
+
+    def stop_all(self) -> None:
+        for i in range(self.rows):
+            if self.drafts is not None and self.rids[i]:
+                end_request(self.sink, self.drafts, self.rids[i])
+            self.rids[i] = ""
+
+    def _new_request(self, i: int, done: int = 0) -> None:
+        """Row i gets a new request: prompt T_r[:P] (P = context - output) and `done`
+        output tokens, the last of them sampled at the step that just ran."""
+        old = self.rids[i]
+        if old and self.drafts is not None:
+            end_request(self.sink, self.drafts, old)
+        seed = next(self._seeds)
+        rid = f"dp-{secrets.token_hex(8)}"
+        self.rids[i] = rid
+        self.batch.req_ids[i] = f"{rid}-{secrets.token_hex(4)}"  # vLLM's row id: id + 8 hex
+        n = self.context - self.output + 1 + done
+        self.truth[i] = true_tokens(seed, 0, self.context, self.vocab)
+        self.token_ids[i, :n] = self.truth[i, :n]
+        self.num_tokens[i] = n
+        self.sampled[i] = [int(self.truth[i, n - 1])]
+        if self.drafts is not None:
+            start_request(self.sink, self.drafts, rid, seed, n - 1, self.context, self.k,
+                          self.vocab)
+
+    def step(self) -> tuple[float, float | None]:
+        """One engine step: (step seconds, propose seconds or None without a proposer)."""
+        t0 = time.monotonic()
+        proposals, took = None, None
+        if self.proposer is not None:
+            proposals = self.proposer.propose(self.sampled, self.num_tokens, self.token_ids)
+            took = time.monotonic() - t0
+        self._verify(proposals)
+        _busy(self.gil_work)  # the model runner launching kernels
+        time.sleep(self.gpu_s)  # the GPU
+        return time.monotonic() - t0, took
+
+    def _verify(self, proposals) -> None:
+        k1 = self.k + 1
+        for i in range(self.rows):
+            n = int(self.num_tokens[i])
+            truth = self.truth[i, n: n + k1].tolist()
+            gain = min(accepted(proposals[i], truth) + 1 if proposals else 1, self.context - n)
+            self.token_ids[i, n: n + gain] = truth[:gain]
+            self.num_tokens[i] = n + gain
+            self.sampled[i] = truth[:gain]
+            self.gained += gain
+            if n + gain >= self.context:
+                self._new_request(i)
+        self.verify_steps += self.rows
+
+    def run_for(self, seconds: float, between: Callable[[], None] | None = None,
+                until: Callable[[], bool] | None = None) -> tuple[list[float], list[float]]:
+        """Step for `seconds` (or until `until()`): (step times, propose times)."""
+        steps, proposes = [], []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not (until is not None and until()):
+            if between is not None:
+                between()
+            s, p = self.step()
+            steps.append(s)
+            if p is not None:
+                proposes.append(p)
+        return steps, proposes
+
+
+# ---- cells ----------------------------------------------------------------------------
+
+
+def _open(sink) -> int:
+    return int(sink.stats()["open_requests"])
+
+
+def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcesses,
+             watch: _Watch, gil_work: int, label: str) -> dict:
+    sink = proposer.sink
+    base = EngineLoop(rows, context, plan, gil_work, rng_seed=plan.seed)
+    base.start_all()
+    baseline_steps, _ = base.run_for(plan.baseline_s)
+    del base
+    gc.collect()
+    rss0 = rss_mb()
+    loop = EngineLoop(rows, context, plan, gil_work, proposer, drafts, rng_seed=plan.seed)
+    t_open = time.monotonic()
+    loop.start_all()
+    between = lambda: watch.collect(time.monotonic())  # noqa: E731
+    loop.run_for(OPEN_TIMEOUT_S, between, until=lambda: _open(sink) >= rows)
+    if _open(sink) < rows:
+        raise RuntimeError(f"{label}: only {_open(sink)} of {rows} requests opened in the sink "
+                           f"in {OPEN_TIMEOUT_S:.0f} s")
+    progress(f"{label}: {rows} requests open in {time.monotonic() - t_open:.1f} s; warming up")
+    loop.run_for(plan.warmup_s, between)
+    rss1 = rss_mb()
+    d0, td0 = drafts.report(f"{label}/0")
+    s0, t0, cpu0 = sink.stats(), time.monotonic(), time.process_time()
+    watch.collect(t0)
+    watch.reset()
+    g0, v0 = loop.gained, loop.verify_steps
+    steps, proposes = loop.run_for(plan.duration_s, between)
+    s1, t1, cpu1 = sink.stats(), time.monotonic(), time.process_time()
+    watch.collect(t1)
+    d1, td1 = drafts.report(f"{label}/1")
+    loop.stop_all()
+    watch.forget()
+    closed = time.monotonic() + CLOSE_TIMEOUT_S
+    while _open(sink) > 0 and time.monotonic() < closed:
+        time.sleep(0.05)
+    return cell_figures(
+        rows, context, plan.k, propose_s=proposes, steps_s=steps,
+        baseline_steps_s=baseline_steps, round_trips_s=watch.round_trips,
+        missed_round_trips=watch.unanswered, sink_delta=minus(s1, s0), seconds=t1 - t0,
+        drafts_delta=minus(d1, d0), drafts_seconds=td1 - td0, rss_mb=max(rss1 - rss0, 0.0),
+        gained=loop.gained - g0, verify_steps=loop.verify_steps - v0, cpu_s=cpu1 - cpu0)
+
+
+def run(plan: Plan, capacity: bool = True) -> dict:
+    """Every cell of the plan (and the ingest-capacity cell first); the report."""
+    import dataclasses
+
+    t_start = time.monotonic()
+    contexts = sorted({c for _, c in plan.cells})
+    progress("building the proposer and its sink (the proposer imports vLLM)")
+    proposer = build_proposer(plan, max(contexts))
+    address = f"127.0.0.1:{proposer.sink.port}"
+    watch = _Watch(proposer.sink)
+    gil_work = calibrate_gil(plan.gil_ms / 1000.0)
+    progress(f"sink on {address}; {plan.gil_ms:g} ms of GIL = {gil_work} loop iterations; "
+             f"starting {plan.drafts} draft process(es)")
+    drafts = DraftProcesses(plan.drafts, address, plan.draft)
+    report: dict = {"ingest_capacity_tokens_per_s": None, "cells": []}
+    try:
+        deadline = time.monotonic() + 30.0
+        while proposer.sink.stats()["streams"] < plan.drafts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if capacity:
+            rows, context = plan.capacity_rows, contexts[0]
+            fast = dataclasses.replace(plan.draft, rate=0.0, draft_step_ms=0.0,
+                                       lookahead=proposer.sink._book.max_pending)
+            drafts.set_plan(fast)
+            progress(f"capacity: rows {rows}, context {context}, drafts unthrottled")
+            cap = run_cell(rows, context, dataclasses.replace(plan, draft=fast), proposer,
+                           drafts, watch, gil_work, f"capacity {rows}x{context}")
+            report["capacity"] = cap
+            report["ingest_capacity_tokens_per_s"] = cap["ingest_tokens_per_s"]
+            drafts.set_plan(plan.draft)
+            progress(f"capacity: {cap['ingest_tokens_per_s']:,.0f} tokens/s into the book "
+                     f"(offered {cap['offered_tokens_per_s']:,.0f})")
+        for rows, context in plan.cells:
+            label = f"{rows}x{context}"
+            progress(f"cell {label}: baseline {plan.baseline_s:g} s, then drafts")
+            cell = run_cell(rows, context, plan, proposer, drafts, watch, gil_work, label)
+            report["cells"].append(cell)
+            progress(f"cell {label}: propose p50 {cell['propose_p50_ms']} ms p99 "
+                     f"{cell['propose_p99_ms']} ms, slowdown {cell['loop_slowdown']}, "
+                     f"ingest {cell['ingest_tokens_per_s']:,.0f}/{cell['offered_tokens_per_s']:,.0f}"
+                     f" tok/s, round trip p50 {cell['round_trip_p50_ms']} ms")
+    finally:
+        drafts.close()
+        proposer.sink.stop()
+    report["plan"] = dataclasses.asdict(plan)
+    report["machine"] = {"cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+    report["duration_s"] = round(time.monotonic() - t_start, 1)
+    return report
