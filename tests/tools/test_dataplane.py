@@ -128,11 +128,16 @@ def test_a_tiny_run(tmp_path):
         for key in ("propose_p50_ms", "propose_p99_ms", "loop_slowdown", "offered_tokens_per_s",
                     "ingest_tokens_per_s", "round_trip_p50_ms", "round_trip_p99_ms",
                     "draft_sender_tokens_per_s", "rss_mb_per_1k_requests"):
-            assert isinstance(c[key], (int, float)), (key, c)
+            # (round trips: None when none was answered, an overrun cell)
+            assert isinstance(c[key], (int, float)) or (c[key] is None and "round" in key), \
+                (key, c)
         assert 0 < c["propose_p50_ms"] <= c["propose_p99_ms"]
-        assert c["round_trips"] > 0 and c["round_trip_p50_ms"] > 0
-        assert c["ingest_tokens_per_s"] > 0 and c["offered_tokens_per_s"] > 0
-        assert c["loop_slowdown"] > 0.5 and c["steps"] > 0
+        assert c["offered_tokens_per_s"] > 0 and c["loop_slowdown"] > 0.5 and c["steps"] > 0
+    # 8 rows are light enough to be measured on any machine; 64 can already
+    # overrun a loaded one (then its round trips go unanswered, and say so)
+    small = report["cells"][0]
+    assert small["round_trips"] > 0 and small["round_trip_p50_ms"] > 0
+    assert small["ingest_tokens_per_s"] > 0
     assert "| 64 | 512 |" in proc.stdout and "ingest capacity" in proc.stdout
     assert "Traceback" not in proc.stderr
 

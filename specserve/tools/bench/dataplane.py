@@ -285,8 +285,10 @@ class EngineLoop:
         self.output = plan_output(plan, context)
         self.rng = np.random.default_rng(rng_seed)
         # vLLM's arguments: token_ids_cpu [rows, max context] int32, num_tokens_no_spec, sampled
-        self.token_ids = np.zeros((rows, context), dtype=np.int32)
-        self.truth = np.zeros((rows, context), dtype=np.int32)  # T_r of each row's request
+        # Filled, not np.zeros: every page is resident from here on, so the RSS the
+        # cell measures after this grows by what the sink keeps, not by these.
+        self.token_ids = np.full((rows, context), 0, dtype=np.int32)
+        self.truth = np.full((rows, context), 0, dtype=np.int32)  # T_r of each row's request
         self.num_tokens = np.zeros(rows, dtype=np.int32)
         self.sampled: list[list[int]] = [[] for _ in range(rows)]
         self.batch = types.SimpleNamespace(req_ids=[""] * rows)  # vLLM's InputBatch.req_ids
@@ -382,8 +384,8 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     baseline_steps, _ = base.run_for(plan.baseline_s)
     del base
     gc.collect()
-    rss0 = rss_mb()
     loop = EngineLoop(rows, context, plan, gil_work, proposer, drafts, rng_seed=plan.seed)
+    rss0 = rss_mb()  # the loop's own arrays included: the growth is the plane's
     t_open = time.monotonic()
     loop.start_all()
     between = lambda: watch.collect(time.monotonic())  # noqa: E731

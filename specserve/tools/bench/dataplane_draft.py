@@ -16,8 +16,11 @@ over the window, as `DraftRunner._branches` does). The draft follows the
 verified updates that come back exactly as `DraftRunner._on_verified` does:
 tokens the target agreed with are dropped from the window, a rejection
 restarts the window from the verified position (on the branch the target took,
-if one was sent), and the draft answers at once with the window built on the
-new verified position. That answer is what the bench's round trip times.
+if one was sent). The draft answers with its window built on the new verified
+position: after agreement at once (the branches for the window's new
+positions, with fan-out), after a rejection with its next drafted token (at
+once when its budget holds one, as it does while its window waited full).
+That answer reaching the book is what the bench's round trip times.
 
 The rate is a budget per request that refills at `rate` and holds at most one
 draft step's worth (a draft engine does not bank tokens while its window is
@@ -66,8 +69,9 @@ class DraftReplica:
         self.counts = {"drafted_tokens": 0, "wire_tokens": 0, "messages": 0, "rollbacks": 0,
                        "branches_taken": 0, "requests": 0}
         self._split: dict[int, list[int]] = {}  # window span -> alternatives per position
+        # SinkLink's own outbox bound (a full outbox drops: counted, sent on)
         self.link = SinkLink(address, self._on_verified, self._snapshot,
-                             name=f"dataplane/{index}", max_queued=1 << 16)
+                             name=f"dataplane/{index}")
 
     # ---- the draft's rule ---------------------------------------------------------
 
@@ -147,7 +151,9 @@ class DraftReplica:
         r.v = end
         for q in [q for q in r.alts if q < end]:
             del r.alts[q]
-        self._draft(r, answer=True)
+        # As DraftRunner: after agreement, branches for the window's new positions
+        # go out at once; after a rejection, the next drafted token does.
+        self._draft(r, answer=wrong is None and self.plan.fan_out > 0)
 
     def _snapshot(self, link) -> list[tuple[str, list[int], list[int], int, int]]:
         """Every request from its verified history, to re-open after a reconnect."""
