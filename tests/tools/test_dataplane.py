@@ -117,7 +117,7 @@ def test_the_emulated_draft_rolls_back_on_a_rejection():
 def test_a_tiny_run(tmp_path):
     out = tmp_path / "dp.json"
     proc = run_cli("bench", "dataplane", "--rows", "8", "64", "--context", "512",
-                   "--duration", "2", "--warmup", "0.5", "--baseline", "1",
+                   "--duration", "1.5", "--warmup", "0.3", "--baseline", "0.5",
                    "--capacity-rows", "8", "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
