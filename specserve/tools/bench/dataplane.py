@@ -26,11 +26,8 @@ which reads the book's verified updates and draft messages).
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import multiprocessing
 import os
-import queue
 import secrets
 import sys
 import time
@@ -39,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from specserve.tools.bench import dataplane_draft
+from specserve.tools.bench.dataplane_draft import DraftProcesses
 from specserve.tools.bench.dataplane_workload import (Plan, accepted, cell_figures, minus,
                                                       plan_output, true_tokens)
 
@@ -91,75 +88,6 @@ def build_proposer(plan: Plan, max_model_len: int):
     if proposer.sink is None:
         raise RuntimeError("the proposer started no sink")
     return proposer
-
-
-class DraftProcesses:
-    """The emulated draft replicas: spawned processes, one command queue each."""
-
-    def __init__(self, n: int, address: str, plan):
-        ctx = multiprocessing.get_context("spawn")
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(n)]
-        self.procs = [ctx.Process(target=dataplane_draft.run_replica, daemon=True,
-                                  args=(i, address, plan, self.commands[i], self.results),
-                                  name=f"dataplane-draft-{i}") for i in range(n)]
-        self._of: dict[str, int] = {}  # request -> replica
-        self._next = 0
-        for p in self.procs:
-            p.start()
-        self._collect("ready", None, timeout=60.0)
-
-    def _collect(self, kind: str, tag, timeout: float) -> list:
-        got, deadline = {}, time.monotonic() + timeout
-        while len(got) < len(self.procs):
-            if any(not p.is_alive() for p in self.procs):
-                raise RuntimeError("a draft process died (see its log above)")
-            try:
-                msg = self.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"draft processes did not answer {kind!r} in {timeout} s")
-                continue
-            if msg[0] == kind and msg[2] == tag:
-                got[msg[1]] = msg
-        return [got[i] for i in range(len(self.procs))]
-
-    def start(self, rid, seed, n_prompt, end, k, ticket) -> None:
-        i = self._of[rid] = self._next % len(self.procs)
-        self._next += 1
-        self.commands[i].put(("start", rid, seed, n_prompt, end, k, ticket))
-
-    def stop(self, rid: str) -> None:
-        i = self._of.pop(rid, None)
-        if i is not None:
-            self.commands[i].put(("stop", rid))
-
-    def set_plan(self, plan) -> None:
-        for q in self.commands:
-            q.put(("plan", plan))
-
-    def report(self, tag: str) -> tuple[dict, float]:
-        """Counters summed over the replicas, and the mean time they were read."""
-        for q in self.commands:
-            q.put(("report", tag))
-        msgs = self._collect("report", tag, timeout=30.0)
-        total: dict = {}
-        for m in msgs:
-            for k, v in m[3].items():
-                total[k] = total.get(k, 0) + v
-        return total, sum(m[4] for m in msgs) / len(msgs)
-
-    def close(self) -> None:
-        for q in self.commands:
-            with contextlib.suppress(Exception):
-                q.put(("quit",))
-        for p in self.procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2.0)
-            if p.is_alive():
-                p.kill()
 
 
 # ---- seams: what the registered, id-keyed plane changes ------------------------------
