@@ -309,3 +309,5 @@ class DraftProcesses:
                 p.join(timeout=2.0)
             if p.is_alive():
                 p.kill()
+        for q in self.commands:  # commands a dead process never read must not hold our exit
+            q.cancel_join_thread()
