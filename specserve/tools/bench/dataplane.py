@@ -17,15 +17,18 @@ runner's kernel launches late), then `time.sleep` for the rest of the step
 (the GPU; the GIL is released). `loop_slowdown` compares the mean step with
 drafts against the same loop without proposer and drafts.
 
-The seams the registered, id-keyed plane (issue 24 items 1-3) changes are all
+The seams the registered, id-keyed plane (issue 24 items 1-3) changes are
 here, under "seams": `start_request` (register with the sink when it can,
-then hand the request to its draft), `attach` (give the proposer vLLM's input
-batch when it takes one) and `_Watch` (the round-trip and ingest timing,
-which reads the book's verified updates and draft messages).
+then hand the request to its draft; the draft side is
+`dataplane_draft.open_request`), `end_request`, `attach` (give the proposer
+vLLM's input batch when it takes one) and `_Watch` (the round-trip timing,
+which wraps the book's `propose` and `extend`); and `build_proposer` (the
+sink's settings, today environment variables).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import secrets
@@ -43,6 +46,7 @@ from specserve.tools.bench.dataplane_workload import (Plan, accepted, cell_figur
 OPEN_TIMEOUT_S = 120.0  # every request of a cell open in the sink (1 024 long prompts)
 CLOSE_TIMEOUT_S = 30.0
 UNANSWERED_S = 2.0  # a verified update with no answer by then is counted unanswered
+SINK_MAX_PENDING = 64  # drafted tokens the sink buffers per request (its served default)
 
 
 def progress(msg: str) -> None:
@@ -70,7 +74,7 @@ def build_proposer(plan: Plan, max_model_len: int):
         model_config=types.SimpleNamespace(get_vocab_size=lambda: plan.draft.vocab,
                                            max_model_len=max_model_len))
     env = {prop.ENV_ADDRESS: "127.0.0.1:0", prop.ENV_MAX_WAIT_MS: str(plan.max_wait_ms),
-           prop.ENV_RELEASE_AFTER: "0"}
+           prop.ENV_RELEASE_AFTER: "0", prop.ENV_MAX_PENDING: str(SINK_MAX_PENDING)}
     saved = {k: os.environ.get(k) for k in (*env, prop.ENV_PORT_FILE)}
     os.environ.update(env)
     os.environ.pop(prop.ENV_PORT_FILE, None)
@@ -348,8 +352,6 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
 
 def run(plan: Plan, capacity: bool = True) -> dict:
     """Every cell of the plan (and the ingest-capacity cell first); the report."""
-    import dataclasses
-
     t_start = time.monotonic()
     contexts = sorted({c for _, c in plan.cells})
     progress("building the proposer and its sink (the proposer imports vLLM)")
@@ -368,7 +370,7 @@ def run(plan: Plan, capacity: bool = True) -> dict:
         if capacity:
             rows, context = plan.capacity_rows, contexts[0]
             fast = dataclasses.replace(plan.draft, rate=0.0, draft_step_ms=0.0,
-                                       lookahead=proposer.sink._book.max_pending)
+                                       lookahead=max(SINK_MAX_PENDING, plan.k + 1))
             drafts.set_plan(fast)
             progress(f"capacity: rows {rows}, context {context}, drafts unthrottled")
             cap = run_cell(rows, context, dataclasses.replace(plan, draft=fast), proposer,

@@ -1,6 +1,7 @@
 """The pure parts of `specserve bench dataplane`: the workload, the emulated verify, the figures.
 
-Owns the settings of a run (`Plan`, `DraftPlan`), the target's true
+Owns the settings of a run (`Plan`, `DraftPlan`) and the flags that make
+them (`add_arguments`, `plan_from_args`), the target's true
 continuation of each emulated request (T_r, a seeded hash of (request,
 position)), the emulated verification of a proposal against it, and turning
 what a cell measured into its figures and the Markdown table. No processes,
