@@ -54,12 +54,14 @@ def test_cell_figures_and_table():
         baseline_steps_s=[0.02, 0.02], round_trips_s=[0.004, 0.006], missed_round_trips=1,
         sink_delta={"draft_tokens_buffered": 900, "rows_seen": 10, "rows_with_proposals": 5},
         seconds=2.0, drafts_delta={"drafted_tokens": 1000, "wire_tokens": 5000, "cpu_s": 1.0},
-        drafts_seconds=2.0, rss_mb=64.0, gained=30, verify_steps=10, cpu_s=1.5)
+        drafts_seconds=2.0, rss_mb=64.0, gained=30, verify_steps=10, cpu_s=1.5,
+        legs=([0.001, 0.003], [0.003, 0.003]))
     assert f["propose_p50_ms"] == 2.0 and f["loop_slowdown"] == 1.1
     assert f["offered_tokens_per_s"] == 500.0 and f["ingest_tokens_per_s"] == 450.0
     assert f["round_trip_p50_ms"] == 5.0 and f["round_trips_unanswered"] == 1
     assert f["draft_sender_tokens_per_s"] == 2500.0 and f["rss_mb_per_1k_requests"] == 250.0
     assert f["coverage"] == 0.5 and f["tokens_per_step"] == 3.0
+    assert f["to_draft_p50_ms"] == 2.0 and f["from_draft_p50_ms"] == 3.0
     assert f["target_process_cpu_cores"] == 0.75 and f["draft_processes_cpu_cores"] == 0.5
     table = w.markdown({"ingest_capacity_tokens_per_s": 1e5, "cells": [f]})
     assert table.count("\n| 256 | 8,192 |") == 1 and "ingest capacity: 100,000" in table
@@ -78,7 +80,7 @@ def _replica(alpha: float, fan_out: int = 3):
     """A DraftReplica on a recording link (no stream, no process)."""
     r = dataplane_draft.DraftReplica.__new__(dataplane_draft.DraftReplica)
     r.plan = w.make_plan(alpha=alpha, fan_out=fan_out).draft
-    r.requests, r._split, r.link = {}, {}, _Link()
+    r.requests, r._split, r.link, r.heard = {}, {}, _Link(), {}
     r.counts = {"drafted_tokens": 0, "wire_tokens": 0, "messages": 0, "rollbacks": 0,
                 "branches_taken": 0, "requests": 0}
     return r
@@ -95,6 +97,7 @@ def test_the_emulated_draft_follows_the_target():
     d._on_verified("r", 100, truth[100:103])  # three accepted
     assert req.v == 103 and req.win == truth[103:105]
     assert d.link.sent[-1][0] == 103  # it answers at once, from the new verified position
+    assert set(d.heard) == {("r", 103)}  # when the update came (the round trip's legs)
 
 
 def test_the_emulated_draft_rolls_back_on_a_rejection():

@@ -137,6 +137,7 @@ class _Watch:
         self.newest: dict = {}  # key -> (position, when) of the first message built on it
         self.waiting: dict = {}  # key -> [(end, when sent)], oldest first
         self.round_trips: list[float] = []
+        self.answered: list[tuple] = []  # (request id, end, sent, answer in the book)
         self.unanswered = 0
 
     def _on_propose(self, *args, **kwargs):
@@ -162,7 +163,9 @@ class _Watch:
             seen = self.newest.get(key)
             while pending and seen is not None and seen[0] >= pending[0][0] \
                     and seen[1] >= pending[0][1]:
-                self.round_trips.append(seen[1] - pending.pop(0)[1])
+                end, sent = pending.pop(0)
+                self.round_trips.append(seen[1] - sent)
+                self.answered.append((key[-1], end, sent, seen[1]))
             while pending and now - pending[0][1] > UNANSWERED_S:
                 pending.pop(0)
                 self.unanswered += 1
@@ -172,7 +175,18 @@ class _Watch:
             self.newest = {k: v for k, v in self.newest.items() if k in self.waiting}
 
     def reset(self) -> None:
-        self.round_trips, self.unanswered = [], 0
+        self.round_trips, self.unanswered, self.answered = [], 0, []
+
+    def legs(self, heard: dict) -> tuple[list[float], list[float]]:
+        """The answered round trips split where the draft got the update: (sink ->
+        draft, draft -> book), for those whose arrival the draft noted."""
+        out, back = [], []
+        for rid, end, sent, answer in self.answered:
+            got = heard.get((rid, end))
+            if got is not None and sent <= got <= answer:
+                out.append(got - sent)
+                back.append(answer - got)
+        return out, back
 
     def forget(self) -> None:
         """Between cells: nothing outstanding carries over."""
@@ -311,11 +325,9 @@ def _open(sink) -> int:
 def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcesses,
              watch: _Watch, gil_work: int, label: str) -> dict:
     sink = proposer.sink
-    base = EngineLoop(rows, context, plan, gil_work, rng_seed=plan.seed)
-    base.start_all()
-    baseline_steps, _ = base.run_for(plan.baseline_s)
-    del base
-    gc.collect()
+    # The loop without proposer and drafts, half before and half after the
+    # measured window: a shared machine's load drifts, and the slowdown is a ratio.
+    baseline_steps = _baseline(rows, context, plan, gil_work, plan.baseline_s / 2)
     loop = EngineLoop(rows, context, plan, gil_work, proposer, drafts, rng_seed=plan.seed)
     rss0 = rss_mb()  # the loop's own arrays included: the growth is the plane's
     t_open = time.monotonic()
@@ -329,6 +341,7 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     loop.run_for(plan.warmup_s, between)
     rss1 = rss_mb()
     d0, td0 = drafts.report(f"{label}/0")
+    drafts.heard(f"{label}/0")  # (forgets what came before the measured window)
     s0, t0, cpu0 = sink.stats(), time.monotonic(), time.process_time()
     watch.collect(t0)
     watch.reset()
@@ -337,17 +350,34 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     s1, t1, cpu1 = sink.stats(), time.monotonic(), time.process_time()
     watch.collect(t1)
     d1, td1 = drafts.report(f"{label}/1")
+    to_draft, from_draft = watch.legs(drafts.heard(f"{label}/1"))
     loop.stop_all()
     watch.forget()
     closed = time.monotonic() + CLOSE_TIMEOUT_S
     while _open(sink) > 0 and time.monotonic() < closed:
         time.sleep(0.05)
-    return cell_figures(
+    gained, verify_steps = loop.gained - g0, loop.verify_steps - v0
+    del loop
+    baseline_steps += _baseline(rows, context, plan, gil_work, plan.baseline_s / 2)
+    figures = cell_figures(
         rows, context, plan.k, propose_s=proposes, steps_s=steps,
         baseline_steps_s=baseline_steps, round_trips_s=watch.round_trips,
         missed_round_trips=watch.unanswered, sink_delta=minus(s1, s0), seconds=t1 - t0,
         drafts_delta=minus(d1, d0), drafts_seconds=td1 - td0, rss_mb=max(rss1 - rss0, 0.0),
-        gained=loop.gained - g0, verify_steps=loop.verify_steps - v0, cpu_s=cpu1 - cpu0)
+        gained=gained, verify_steps=verify_steps, cpu_s=cpu1 - cpu0,
+        legs=(to_draft, from_draft))
+    figures["load_average_1m"] = round(os.getloadavg()[0], 2)  # the machine's, at the cell's end
+    return figures
+
+
+def _baseline(rows: int, context: int, plan: Plan, gil_work: int, seconds: float) -> list[float]:
+    """Step times of the same loop without proposer and drafts."""
+    base = EngineLoop(rows, context, plan, gil_work, rng_seed=plan.seed)
+    base.start_all()
+    steps, _ = base.run_for(seconds)
+    del base
+    gc.collect()
+    return steps
 
 
 def run(plan: Plan, capacity: bool = True) -> dict:

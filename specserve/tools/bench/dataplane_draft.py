@@ -46,6 +46,10 @@ from specserve.tools.bench.dataplane_workload import DraftPlan, true_token, true
 
 log = logging.getLogger(__name__)
 
+# Arrival times of verified updates kept between two asks (~24 MB at most): a
+# monotonic clock is one clock for every process of the machine.
+MAX_HEARD = 200_000
+
 
 class _Request:
     """One request's draft state: S = T_r[:v] + win (the verified history and the window)."""
@@ -72,6 +76,7 @@ class DraftReplica:
         self.counts = {"drafted_tokens": 0, "wire_tokens": 0, "messages": 0, "rollbacks": 0,
                        "branches_taken": 0, "requests": 0}
         self._split: dict[int, list[int]] = {}  # window span -> alternatives per position
+        self.heard: dict[tuple[str, int], float] = {}  # (request, update's end) -> monotonic s
         # SinkLink's own outbox bound (a full outbox drops: counted, sent on)
         self.link = SinkLink(address, self._on_verified, self._snapshot,
                              name=f"dataplane/{index}")
@@ -132,10 +137,12 @@ class DraftReplica:
     # ---- from the sink (as DraftRunner._on_verified) -------------------------------
 
     def _on_verified(self, rid: str, position: int, tokens: list[int]) -> None:
+        end = position + len(tokens)
+        if len(self.heard) < MAX_HEARD:  # when each update got here (the round trip's legs)
+            self.heard[(rid, end)] = time.monotonic()
         r = self.requests.get(rid)
         if r is None or position > r.v:
             return  # finished, or a gap: the next update fills it
-        end = position + len(tokens)
         if end <= r.v:
             return
         new = tokens[r.v - position:]
@@ -186,6 +193,9 @@ class DraftReplica:
                               "dropped": self.link.dropped, "open": len(self.requests),
                               "cpu_s": time.process_time()},
                               time.monotonic()))
+        elif kind == "heard":  # when the updates got here since the last ask (then forgotten)
+            self.results.put(("heard", self.index, cmd[1], self.heard, time.monotonic()))
+            self.heard = {}
         elif kind == "quit":
             return False
         return True
@@ -286,6 +296,15 @@ class DraftProcesses:
     def set_plan(self, plan) -> None:
         for q in self.commands:
             q.put(("plan", plan))
+
+    def heard(self, tag: str) -> dict:
+        """When each verified update (request, end) reached its draft, since the last call."""
+        for q in self.commands:
+            q.put(("heard", tag))
+        out: dict = {}
+        for m in self._collect("heard", tag, timeout=30.0):
+            out.update(m[3])
+        return out
 
     def report(self, tag: str) -> tuple[dict, float]:
         """Counters summed over the replicas, and the mean time they were read."""

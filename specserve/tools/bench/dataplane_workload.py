@@ -156,7 +156,8 @@ def cell_figures(rows: int, context: int, k: int, *, propose_s: Sequence[float],
                  steps_s: Sequence[float], baseline_steps_s: Sequence[float],
                  round_trips_s: Sequence[float], missed_round_trips: int,
                  sink_delta: dict, seconds: float, drafts_delta: dict, drafts_seconds: float,
-                 rss_mb: float, gained: int, verify_steps: int, cpu_s: float = 0.0) -> dict:
+                 rss_mb: float, gained: int, verify_steps: int, cpu_s: float = 0.0,
+                 legs: tuple[Sequence[float], Sequence[float]] = ((), ())) -> dict:
     """One cell's figures (the JSON's documented keys first, then the context to read them)."""
     mean = sum(steps_s) / len(steps_s) if steps_s else None
     base = sum(baseline_steps_s) / len(baseline_steps_s) if baseline_steps_s else None
@@ -177,6 +178,9 @@ def cell_figures(rows: int, context: int, k: int, *, propose_s: Sequence[float],
         "tokens_per_step": round(gained / verify_steps, 3) if verify_steps else None,
         "coverage": round(sink_delta.get("rows_with_proposals", 0) / seen, 4) if seen else None,
         "round_trips": len(round_trips_s), "round_trips_unanswered": missed_round_trips,
+        # the round trip's legs: propose() -> the draft has the update -> its answer in the book
+        "to_draft_p50_ms": _ms(legs[0], 50), "to_draft_p99_ms": _ms(legs[0], 99),
+        "from_draft_p50_ms": _ms(legs[1], 50), "from_draft_p99_ms": _ms(legs[1], 99),
         "draft_messages_per_s": _rate(drafts_delta.get("messages", 0), drafts_seconds),
         "sink_draft_messages_per_s": _rate(sink_delta.get("draft_messages", 0), seconds),
         "stale_messages": sink_delta.get("stale_messages", 0),
@@ -202,7 +206,7 @@ COLUMNS = (("rows", "rows"), ("context", "context"), ("propose_p50_ms", "propose
            ("round_trip_p50_ms", "round trip p50 ms"), ("round_trip_p99_ms", "p99 ms"),
            ("draft_sender_tokens_per_s", "sender wire tok/s"),
            ("rss_mb_per_1k_requests", "RSS MB/1k req"), ("coverage", "coverage"),
-           ("tokens_per_step", "tokens/step"))
+           ("tokens_per_step", "tokens/step"), ("load_average_1m", "load"))
 
 
 def markdown(report: dict) -> str:
