@@ -42,6 +42,8 @@ import signal
 import sys
 import time
 
+from specserve.control.policy import fan_out
+from specserve.draft.synthetic import alternatives, drafted_token
 from specserve.tools.bench.dataplane_workload import DraftPlan, true_token, true_tokens
 
 log = logging.getLogger(__name__)
@@ -84,17 +86,12 @@ class DraftReplica:
     # ---- the draft's rule ---------------------------------------------------------
 
     def _drafted(self, r: _Request, q: int) -> int:
-        from specserve.draft.synthetic import drafted_token
-
         p = self.plan
         return drafted_token(true_token(r.seed, q, p.vocab), p.alpha, p.seed, r.digest, q,
                              p.vocab)
 
     def _branches(self, r: _Request) -> list[tuple[int, list[int]]]:
         """The window's branches: the budget split over the K + 1 positions a step can reject."""
-        from specserve.control.policy import fan_out
-        from specserve.draft.synthetic import alternatives
-
         p = self.plan
         if p.fan_out <= 0 or not r.win:
             return []
