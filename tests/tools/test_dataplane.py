@@ -164,3 +164,27 @@ def test_the_plan_from_flags():
     plan = w.plan_from_args(args)
     assert plan.cells == ((8, 512), (8, 1024)) and plan.draft.unlimited
     assert build_parser().parse_args(["bench", "--quick"]).bench_command is None
+
+
+def test_the_engine_loop_prefills_new_requests_then_decodes():
+    from specserve.tools.bench.dataplane import HELD, EngineLoop
+
+    plan = w.make_plan(cells=[(2, 64)], output_tokens=16, prefill_tokens_per_step=16)
+    loop = EngineLoop(2, 64, plan, gil_work=1)
+    loop.start_all()
+    assert list(loop.prefill_left) == [HELD, HELD] and loop.sampled == [[], []]
+    loop.activate_all()
+    n = [int(x) for x in loop.num_tokens]
+    assert all(49 <= x <= 64 for x in n)
+    assert loop.sampled == [[int(loop.truth[i, n[i] - 1])] for i in range(2)]
+    first = loop.rids[0]
+    for _ in range(64 - n[0]):  # no drafts: one token a step, up to the context's end
+        loop._verify(None)
+    assert loop.rids[0] != first and loop.num_tokens[0] == 48  # a new request, its prompt
+    assert loop.prefill_left[0] == 3 and loop.sampled[0] == []  # 48 tokens at 16 a step
+    assert loop.token_ids[0, :48].tolist() == loop.truth[0, :48].tolist()
+    for _ in range(3):
+        loop._verify(None)
+    assert loop.num_tokens[0] == 49 and loop.sampled[0] == [int(loop.truth[0, 48])]
+    assert loop.batch.req_ids[0].startswith(loop.rids[0] + "-") and \
+        len(loop.batch.req_ids[0]) == len(loop.rids[0]) + 9  # vLLM's row id: id + 8 hex

@@ -47,6 +47,7 @@ OPEN_TIMEOUT_S = 120.0  # every request of a cell open in the sink (1 024 long p
 CLOSE_TIMEOUT_S = 30.0
 UNANSWERED_S = 2.0  # a verified update with no answer by then is counted unanswered
 SINK_MAX_PENDING = 64  # drafted tokens the sink buffers per request (its served default)
+HELD = -1  # EngineLoop.prefill_left of a row waiting for activate_all()
 
 
 def progress(msg: str) -> None:
@@ -241,13 +242,24 @@ class EngineLoop:
         self.rids = [""] * rows  # engine request ids
         self._seeds = iter(range(plan.seed * 1_000_000_007 + rows * context, 1 << 62))
         self.gained = self.verify_steps = 0
+        # Engine steps a row still prefills (0: decoding; HELD: until activate_all()).
+        # A prefilling row samples nothing, so propose() skips it, as vLLM's
+        # chunked prefill has it; meanwhile its draft opens the request.
+        self.prefill_left = np.zeros(rows, dtype=np.int64)
 
     def start_all(self) -> None:
-        """Every row a request somewhere in its output (staggered, so they do not all end at once)."""
+        """Every row a request somewhere in its output (staggered, so they do not all
+        end at once), held until `activate_all` (the cell waits for the sink to have
+        them all, as if they had been running for a while)."""
         if self.proposer is not None:
             attach(self.proposer, self.batch)
         for i in range(self.rows):
             self._new_request(i, done=int(self.rng.integers(0, self.output)))
+
+    def activate_all(self) -> None:
+        for i in np.flatnonzero(self.prefill_left == HELD):
+            self.prefill_left[i] = 0
+            self.sampled[i] = [int(self.truth[i, self.num_tokens[i] - 1])]
 
     def stop_all(self) -> None:
         for i in range(self.rows):
@@ -255,9 +267,9 @@ class EngineLoop:
                 end_request(self.sink, self.drafts, self.rids[i])
             self.rids[i] = ""
 
-    def _new_request(self, i: int, done: int = 0) -> None:
-        """Row i gets a new request: prompt T_r[:P] (P = context - output) and `done`
-        output tokens, the last of them sampled at the step that just ran."""
+    def _new_request(self, i: int, done: int | None = None) -> None:
+        """Row i gets a new request, prompt T_r[:P] (P = context - output): prefilled
+        in the next steps, or (`done`) held with `done` + 1 output tokens already."""
         old = self.rids[i]
         if old and self.drafts is not None:
             end_request(self.sink, self.drafts, old)
@@ -265,14 +277,17 @@ class EngineLoop:
         rid = f"dp-{secrets.token_hex(8)}"
         self.rids[i] = rid
         self.batch.req_ids[i] = f"{rid}-{secrets.token_hex(4)}"  # vLLM's row id: id + 8 hex
-        n = self.context - self.output + 1 + done
+        prompt = self.context - self.output
+        n = prompt if done is None else prompt + 1 + done
         self.truth[i] = true_tokens(seed, 0, self.context, self.vocab)
         self.token_ids[i, :n] = self.truth[i, :n]
         self.num_tokens[i] = n
-        self.sampled[i] = [int(self.truth[i, n - 1])]
-        if self.drafts is not None:
-            start_request(self.sink, self.drafts, rid, seed, n - 1, self.context, self.k,
-                          self.vocab)
+        self.sampled[i] = []
+        self.prefill_left[i] = HELD if done is not None else \
+            -(-prompt // self.plan.prefill_tokens_per_step)
+        if self.drafts is not None:  # the draft knows the history up to the last sampled token
+            start_request(self.sink, self.drafts, rid, seed, n if done is None else n - 1,
+                          self.context, self.k, self.vocab)
 
     def step(self) -> tuple[float, float | None]:
         """One engine step: (step seconds, propose seconds or None without a proposer)."""
@@ -290,15 +305,23 @@ class EngineLoop:
         k1 = self.k + 1
         for i in range(self.rows):
             n = int(self.num_tokens[i])
+            if self.prefill_left[i]:
+                if self.prefill_left[i] > 0:
+                    self.prefill_left[i] -= 1
+                if self.prefill_left[i] == 0:  # the prefill's last chunk samples a token
+                    self.token_ids[i, n] = self.truth[i, n]
+                    self.num_tokens[i] = n + 1
+                    self.sampled[i] = [int(self.truth[i, n])]
+                continue
             truth = self.truth[i, n: n + k1].tolist()
             gain = min(accepted(proposals[i], truth) + 1 if proposals else 1, self.context - n)
             self.token_ids[i, n: n + gain] = truth[:gain]
             self.num_tokens[i] = n + gain
             self.sampled[i] = truth[:gain]
             self.gained += gain
+            self.verify_steps += 1
             if n + gain >= self.context:
                 self._new_request(i)
-        self.verify_steps += self.rows
 
     def run_for(self, seconds: float, between: Callable[[], None] | None = None,
                 until: Callable[[], bool] | None = None) -> tuple[list[float], list[float]]:
@@ -337,6 +360,7 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     if _open(sink) < rows:
         raise RuntimeError(f"{label}: only {_open(sink)} of {rows} requests opened in the sink "
                            f"in {OPEN_TIMEOUT_S:.0f} s")
+    loop.activate_all()
     progress(f"{label}: {rows} requests open in {time.monotonic() - t_open:.1f} s; warming up")
     loop.run_for(plan.warmup_s, between)
     rss1 = rss_mb()
@@ -374,6 +398,7 @@ def _baseline(rows: int, context: int, plan: Plan, gil_work: int, seconds: float
     """Step times of the same loop without proposer and drafts."""
     base = EngineLoop(rows, context, plan, gil_work, rng_seed=plan.seed)
     base.start_all()
+    base.activate_all()
     steps, _ = base.run_for(seconds)
     del base
     gc.collect()

@@ -96,6 +96,7 @@ class Plan:
     step_ms: float = 20.0  # one emulated engine step without the proposer
     gil_ms: float = 2.0  # ... of which the model runner holds the GIL (launching kernels)
     output_tokens: int = 256  # each request's output: prompt = context - this
+    prefill_tokens_per_step: int = 8192  # a new request's prompt, per engine step (chunked)
     duration_s: float = 10.0  # measured per cell, after the warm-up
     warmup_s: float = 2.0  # stepping with every request open before measuring
     baseline_s: float = 3.0  # the same loop without drafts or proposer
@@ -278,6 +279,9 @@ def add_arguments(p, positive_int, non_negative_float) -> None:
     p.add_argument("--output-tokens", type=positive_int("output-tokens"), default=256,
                    help="output per request, the rest of the context is its prompt (default "
                    "256, at most half the context); a finished row gets a new request")
+    p.add_argument("--prefill-tokens-per-step", type=positive_int("prefill-tokens-per-step"),
+                   default=8192, help="a new request prefills this many prompt tokens per "
+                   "engine step, sampling nothing, before it decodes (default 8192)")
     p.add_argument("--drafts", type=positive_int("drafts"), default=1,
                    help="draft processes (replicas, one stream each; default 1)")
     p.add_argument("--capacity-rows", type=positive_int("capacity-rows"), default=256,
@@ -314,5 +318,6 @@ def plan_from_args(args) -> Plan:
     return make_plan(k=args.k, rate=args.rate, alpha=args.alpha, fan_out=args.fan_out,
                      lookahead=args.lookahead, draft_step_ms=args.draft_step_ms, cells=cells,
                      step_ms=args.step_ms, gil_ms=args.gil_ms, output_tokens=args.output_tokens,
+                     prefill_tokens_per_step=args.prefill_tokens_per_step,
                      drafts=args.drafts, capacity_rows=args.capacity_rows, seed=args.seed,
                      **engine)
