@@ -167,7 +167,7 @@ def test_the_plan_from_flags():
 
 
 def test_the_engine_loop_prefills_new_requests_then_decodes():
-    from specserve.tools.bench.dataplane import HELD, EngineLoop
+    from specserve.tools.bench.dataplane_loop import HELD, EngineLoop
 
     plan = w.make_plan(cells=[(2, 64)], output_tokens=16, prefill_tokens_per_step=16)
     loop = EngineLoop(2, 64, plan, gil_work=1)

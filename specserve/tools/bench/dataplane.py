@@ -4,18 +4,13 @@ Owns the run: building the real proposer and sink in this process (the target
 worker's arrangement: `RemoteDraftProposer` with its `DraftSink`, a gRPC server
 on threads beside the engine loop), starting the emulated draft replicas in
 their own processes (`specserve/tools/bench/dataplane_draft.py`, each a real
-`SinkLink`), the emulated engine loop that calls `propose()` with vLLM's own
-arguments, and the cells. The workload and the figures are pure
+`SinkLink`), and the cells. The workload and the figures are pure
 (`specserve/tools/bench/dataplane_workload.py`).
 
-The emulated engine step: propose() (timed), then the emulated verification
-(each row gains its accepted tokens + 1 of its true continuation T_r; a row at
-its context limit is replaced by a new request), then the model runner: a
-pure-Python busy loop that holds the GIL for `gil_ms` of work (calibrated once,
-so threads competing for the GIL make it take longer, as they would make a real
-runner's kernel launches late), then `time.sleep` for the rest of the step
-(the GPU; the GIL is released). `loop_slowdown` compares the mean step with
-drafts against the same loop without proposer and drafts.
+The emulated engine loop is `specserve/tools/bench/dataplane_loop.py`
+(`propose()`, the emulated verification, the GIL held, the GPU slept);
+`loop_slowdown` compares its mean step with proposer and drafts against the
+same loop without them.
 
 The seams the registered, id-keyed plane (issue 24 items 1-3) changes are
 here, under "seams": `start_request` (register with the sink when it can,
@@ -31,23 +26,18 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import secrets
 import sys
 import time
 import types
-from collections.abc import Callable
-
-import numpy as np
 
 from specserve.tools.bench.dataplane_draft import DraftProcesses
-from specserve.tools.bench.dataplane_workload import (Plan, accepted, cell_figures, minus,
-                                                      plan_output, true_tokens)
+from specserve.tools.bench.dataplane_loop import EngineLoop, calibrate_gil
+from specserve.tools.bench.dataplane_workload import Plan, cell_figures, minus, true_tokens
 
 OPEN_TIMEOUT_S = 120.0  # every request of a cell open in the sink (1 024 long prompts)
 CLOSE_TIMEOUT_S = 30.0
 UNANSWERED_S = 2.0  # a verified update with no answer by then is counted unanswered
 SINK_MAX_PENDING = 64  # drafted tokens the sink buffers per request (its served default)
-HELD = -1  # EngineLoop.prefill_left of a row waiting for activate_all()
 
 
 def progress(msg: str) -> None:
@@ -195,149 +185,6 @@ class _Watch:
         self.waiting, self.newest = {}, {}
 
 
-# ---- the emulated engine loop ---------------------------------------------------------
-
-
-def calibrate_gil(hold_s: float) -> int:
-    """Busy-loop iterations that take hold_s here with nothing competing (best of 5)."""
-    n = 200_000
-    best = min(_timed_busy(n) for _ in range(5))
-    return max(1, int(n * hold_s / best))
-
-
-def _timed_busy(n: int) -> float:
-    t = time.perf_counter()
-    _busy(n)
-    return time.perf_counter() - t
-
-
-def _busy(n: int) -> int:
-    x = 0
-    for _ in range(n):  # pure bytecode: holds the GIL but for the switch interval
-        x += 1
-    return x
-
-
-class EngineLoop:
-    """vLLM's model runner as the proposer sees it: rows, their token ids, one step at a time."""
-
-    def __init__(self, rows: int, context: int, plan: Plan, gil_work: int, proposer=None,
-                 drafts: DraftProcesses | None = None, rng_seed: int = 0):
-        self.rows, self.context, self.plan = rows, context, plan
-        self.k, self.vocab = plan.k, plan.draft.vocab
-        self.gil_work = gil_work
-        self.gpu_s = (plan.step_ms - plan.gil_ms) / 1000.0
-        self.proposer, self.drafts = proposer, drafts
-        self.sink = proposer.sink if proposer is not None else None
-        self.output = plan_output(plan, context)
-        self.rng = np.random.default_rng(rng_seed)
-        # vLLM's arguments: token_ids_cpu [rows, max context] int32, num_tokens_no_spec, sampled
-        # Filled, not np.zeros: every page is resident from here on, so the RSS the
-        # cell measures after this grows by what the sink keeps, not by these.
-        self.token_ids = np.full((rows, context), 0, dtype=np.int32)
-        self.truth = np.full((rows, context), 0, dtype=np.int32)  # T_r of each row's request
-        self.num_tokens = np.zeros(rows, dtype=np.int32)
-        self.sampled: list[list[int]] = [[] for _ in range(rows)]
-        self.batch = types.SimpleNamespace(req_ids=[""] * rows)  # vLLM's InputBatch.req_ids
-        self.rids = [""] * rows  # engine request ids
-        self._seeds = iter(range(plan.seed * 1_000_000_007 + rows * context, 1 << 62))
-        self.gained = self.verify_steps = 0
-        # Engine steps a row still prefills (0: decoding; HELD: until activate_all()).
-        # A prefilling row samples nothing, so propose() skips it, as vLLM's
-        # chunked prefill has it; meanwhile its draft opens the request.
-        self.prefill_left = np.zeros(rows, dtype=np.int64)
-
-    def start_all(self) -> None:
-        """Every row a request somewhere in its output (staggered, so they do not all
-        end at once), held until `activate_all` (the cell waits for the sink to have
-        them all, as if they had been running for a while)."""
-        if self.proposer is not None:
-            attach(self.proposer, self.batch)
-        for i in range(self.rows):
-            self._new_request(i, done=int(self.rng.integers(0, self.output)))
-
-    def activate_all(self) -> None:
-        for i in np.flatnonzero(self.prefill_left == HELD):
-            self.prefill_left[i] = 0
-            self.sampled[i] = [int(self.truth[i, self.num_tokens[i] - 1])]
-
-    def stop_all(self) -> None:
-        for i in range(self.rows):
-            if self.drafts is not None and self.rids[i]:
-                end_request(self.sink, self.drafts, self.rids[i])
-            self.rids[i] = ""
-
-    def _new_request(self, i: int, done: int | None = None) -> None:
-        """Row i gets a new request, prompt T_r[:P] (P = context - output): prefilled
-        in the next steps, or (`done`) held with `done` + 1 output tokens already."""
-        old = self.rids[i]
-        if old and self.drafts is not None:
-            end_request(self.sink, self.drafts, old)
-        seed = next(self._seeds)
-        rid = f"dp-{secrets.token_hex(8)}"
-        self.rids[i] = rid
-        self.batch.req_ids[i] = f"{rid}-{secrets.token_hex(4)}"  # vLLM's row id: id + 8 hex
-        prompt = self.context - self.output
-        n = prompt if done is None else prompt + 1 + done
-        self.truth[i] = true_tokens(seed, 0, self.context, self.vocab)
-        self.token_ids[i, :n] = self.truth[i, :n]
-        self.num_tokens[i] = n
-        self.sampled[i] = []
-        self.prefill_left[i] = HELD if done is not None else \
-            -(-prompt // self.plan.prefill_tokens_per_step)
-        if self.drafts is not None:  # the draft knows the history up to the last sampled token
-            start_request(self.sink, self.drafts, rid, seed, n if done is None else n - 1,
-                          self.context, self.k, self.vocab)
-
-    def step(self) -> tuple[float, float | None]:
-        """One engine step: (step seconds, propose seconds or None without a proposer)."""
-        t0 = time.monotonic()
-        proposals, took = None, None
-        if self.proposer is not None:
-            proposals = self.proposer.propose(self.sampled, self.num_tokens, self.token_ids)
-            took = time.monotonic() - t0
-        self._verify(proposals)
-        _busy(self.gil_work)  # the model runner launching kernels
-        time.sleep(self.gpu_s)  # the GPU
-        return time.monotonic() - t0, took
-
-    def _verify(self, proposals) -> None:
-        k1 = self.k + 1
-        for i in range(self.rows):
-            n = int(self.num_tokens[i])
-            if self.prefill_left[i]:
-                if self.prefill_left[i] > 0:
-                    self.prefill_left[i] -= 1
-                if self.prefill_left[i] == 0:  # the prefill's last chunk samples a token
-                    self.token_ids[i, n] = self.truth[i, n]
-                    self.num_tokens[i] = n + 1
-                    self.sampled[i] = [int(self.truth[i, n])]
-                continue
-            truth = self.truth[i, n: n + k1].tolist()
-            gain = min(accepted(proposals[i], truth) + 1 if proposals else 1, self.context - n)
-            self.token_ids[i, n: n + gain] = truth[:gain]
-            self.num_tokens[i] = n + gain
-            self.sampled[i] = truth[:gain]
-            self.gained += gain
-            self.verify_steps += 1
-            if n + gain >= self.context:
-                self._new_request(i)
-
-    def run_for(self, seconds: float, between: Callable[[], None] | None = None,
-                until: Callable[[], bool] | None = None) -> tuple[list[float], list[float]]:
-        """Step for `seconds` (or until `until()`): (step times, propose times)."""
-        steps, proposes = [], []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not (until is not None and until()):
-            if between is not None:
-                between()
-            s, p = self.step()
-            steps.append(s)
-            if p is not None:
-                proposes.append(p)
-        return steps, proposes
-
-
 # ---- cells ----------------------------------------------------------------------------
 
 
@@ -351,7 +198,12 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     # The loop without proposer and drafts, half before and half after the
     # measured window: a shared machine's load drifts, and the slowdown is a ratio.
     baseline_steps = _baseline(rows, context, plan, gil_work, plan.baseline_s / 2)
-    loop = EngineLoop(rows, context, plan, gil_work, proposer, drafts, rng_seed=plan.seed)
+    loop = EngineLoop(
+        rows, context, plan, gil_work, proposer, rng_seed=plan.seed,
+        on_start=lambda rid, seed, known, end, k: start_request(
+            sink, drafts, rid, seed, known, end, k, plan.draft.vocab),
+        on_end=lambda rid: end_request(sink, drafts, rid))
+    attach(proposer, loop.batch)
     rss0 = rss_mb()  # the loop's own arrays included: the growth is the plane's
     t_open = time.monotonic()
     loop.start_all()
