@@ -39,6 +39,7 @@ from specserve.tools.bench.dataplane_workload import Plan, cell_figures, minus, 
 OPEN_TIMEOUT_S = 120.0  # every request of a cell open in the sink (1 024 long prompts)
 CLOSE_TIMEOUT_S = 30.0
 UNANSWERED_S = 2.0  # a verified update with no answer by then is counted unanswered
+MAX_HANDED = 500_000  # verified updates remembered per cell for the round trip's legs
 SINK_MAX_PENDING = 64  # drafted tokens the sink buffers per request (its served default)
 
 
@@ -136,6 +137,7 @@ class _Watch:
         self.waiting: dict = {}  # key -> [(end, when sent)], oldest first
         self.round_trips: list[float] = []
         self.answered: list[tuple] = []  # (request id, end, sent, answer in the book)
+        self.handed_out: list[tuple] = []  # (request id, end, sent): every update, answered or not
         self.unanswered = 0
 
     def _on_propose(self, *args, **kwargs):
@@ -155,7 +157,10 @@ class _Watch:
         handed, self.handed = self.handed, []
         for updates, when in handed:
             for u in updates:
-                self.waiting.setdefault(u.key, []).append((u.position + len(u.token_ids), when))
+                end = u.position + len(u.token_ids)
+                self.waiting.setdefault(u.key, []).append((end, when))
+                if len(self.handed_out) < MAX_HANDED:
+                    self.handed_out.append((u.key[-1], end, when))
         for key in list(self.waiting):
             pending = self.waiting[key]
             seen = self.newest.get(key)
@@ -173,16 +178,18 @@ class _Watch:
             self.newest = {k: v for k, v in self.newest.items() if k in self.waiting}
 
     def reset(self) -> None:
-        self.round_trips, self.unanswered, self.answered = [], 0, []
+        self.round_trips, self.unanswered, self.answered, self.handed_out = [], 0, [], []
 
     def legs(self, heard: dict) -> tuple[list[float], list[float]]:
-        """The answered round trips split where the draft got the update: (sink ->
-        draft, draft -> book), for those whose arrival the draft noted."""
-        out, back = [], []
+        """The round trip's legs where the draft noted an update's arrival: sink ->
+        draft for every update it got (answered or not: an overrun draft is late
+        here), draft -> book for the answered ones."""
+        out = [heard[(rid, end)] - sent for rid, end, sent in self.handed_out
+               if heard.get((rid, end), -1.0) >= sent]
+        back = []
         for rid, end, sent, answer in self.answered:
             got = heard.get((rid, end))
             if got is not None and sent <= got <= answer:
-                out.append(got - sent)
                 back.append(answer - got)
         return out, back
 
