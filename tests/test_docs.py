@@ -9,8 +9,8 @@ checked against the code.
   link to a heading (`file.md#heading`) names a heading of that file;
 - no absolute machine path (/tmp/, /work/, /root/, /home/);
 - every `make X` in code names a target of the Makefile;
-- every `specserve SUBCOMMAND --flag` in code names a subcommand and its flags
-  as the CLI's parser defines them.
+- every `specserve SUBCOMMAND --flag` in code names a subcommand (or a nested
+  one, `specserve bench dataplane`) and its flags as the CLI's parser defines them.
 """
 
 from __future__ import annotations
@@ -192,13 +192,17 @@ def cli_commands(code: str) -> list[tuple[str, list[str]]]:
         i += 1
         if not m:
             continue
-        text = m.group(2)
+        command, text = m.group(1), m.group(2)
+        words = text.split()
+        if words and f"{command} {words[0]}" in _cli():  # a nested subcommand
+            command = f"{command} {words[0]}"
+            text = text.split(words[0], 1)[1]
         while i < len(lines) and (text.rstrip().endswith("\\")
                                   or re.match(r"^\s+[\[-]", lines[i])):
             text = text.rstrip().rstrip("\\") + " " + lines[i]
             i += 1
         text = text.split(" #")[0]  # a trailing comment
-        out.append((m.group(1), FLAG.findall(text)))
+        out.append((command, FLAG.findall(text)))
     return out
 
 
@@ -208,9 +212,16 @@ def _cli() -> dict[str, set[str]]:
 
     from specserve.cli import build_parser
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: {o for a in p._actions for o in a.option_strings}
-            for name, p in sub.choices.items()}
+    def commands(parser, prefix: str) -> dict[str, set[str]]:
+        out = {}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, p in action.choices.items():
+                    out[prefix + name] = {o for a in p._actions for o in a.option_strings}
+                    out.update(commands(p, f"{prefix}{name} "))  # `bench dataplane`
+        return out
+
+    return commands(build_parser(), "")
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=_rel)
@@ -237,8 +248,11 @@ def test_the_checks_can_fail(tmp_path):
     assert MAKE.findall("make serve CONFIG=a; make bench-quick") == ["serve", "bench-quick"]
     assert "nonexistent-target" not in _makefile_targets() and "test" in _makefile_targets()
     assert cli_commands(".venv/bin/specserve serve [C] --port P \\\n    [--api-key K]  # x --no\n"
-                        "specserve models default\nls --not-this") == [
-        ("serve", ["--port", "--api-key"]), ("models", [])]
+                        "specserve models default\nls --not-this\n"
+                        "specserve bench dataplane --rows 8") == [
+        ("serve", ["--port", "--api-key"]), ("models default", []),
+        ("bench dataplane", ["--rows"])]
+    assert "--rows" in _cli()["bench dataplane"] and "--rows" not in _cli()["bench"]
     assert "--port" in _cli()["serve"] and "--nope" not in _cli()["serve"]
     heads = tmp_path / "h.md"
     heads.write_text("# Top\n## TLS on the draft → target stream\n```\n# not a heading\n```\n")

@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.tools.bench.run import add_arguments
 
     add_arguments(b, positive_int, temperature)
+    # `specserve bench dataplane`: the draft -> target data plane alone (no model);
+    # without a subcommand `specserve bench` is the systems bench above.
+    bsub = b.add_subparsers(dest="bench_command", parser_class=_Parser)
+    dp = bsub.add_parser("dataplane", help="benchmark the draft -> target data plane: the real "
+                         "proposer, sink, wire and senders, an emulated engine loop and drafts, "
+                         "no model or GPU")
+    from specserve.tools.bench.dataplane_workload import add_arguments as add_dataplane
+
+    add_dataplane(dp, positive_int, non_negative_float)
 
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)

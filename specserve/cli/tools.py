@@ -1,4 +1,4 @@
-"""The edges of the tool commands: `specserve bench` and `specserve distill`.
+"""The edges of the tool commands: `specserve bench` (and `bench dataplane`) and `specserve distill`.
 
 Owns checking their models and flags (one line, exit 2) and printing what
 they return; the bodies are `specserve.tools.bench` and
@@ -18,6 +18,8 @@ from specserve.cli.common import UsageError, default_draft, draft_dir, model_dir
 
 def run_bench(args) -> int:
     """`specserve bench`: the body is specserve/tools/bench/; here only the edge."""
+    if getattr(args, "bench_command", None) == "dataplane":
+        return run_dataplane(args)
     from specserve.tools.bench import report as bench_report
     from specserve.tools.bench import run as bench
     from specserve.models import ensure_default_model, tokenizers_compatible
@@ -57,6 +59,24 @@ def run_bench(args) -> int:
         print("specserve bench: error: greedy output differs from target_only for "
               f"{len(report['greedy_mismatches'])} requests (see the table)", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_dataplane(args) -> int:
+    """`specserve bench dataplane`: the body is specserve/tools/bench/dataplane.py."""
+    from specserve.tools.bench import dataplane
+    from specserve.tools.bench.dataplane_workload import markdown, plan_from_args
+
+    try:
+        plan = plan_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    with results_on_stdout():
+        report = dataplane.run(plan, capacity=not args.no_capacity)
+    report["command"] = "specserve " + " ".join(args.argv)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n")
+    print(markdown(report))
     return 0
 
 
