@@ -355,6 +355,10 @@ class DraftBook:
             per = self.stream_stats[entry.stream] = BookStats()
         setattr(per, name, getattr(per, name) + n)
 
+    def attached(self) -> int:
+        """Registered requests a draft stream is attached to."""
+        return int(np.count_nonzero(self.store.stream))
+
     def stream_of(self, key: Hashable) -> Hashable:
         """The draft stream attached to a request (None: none, or unknown)."""
         entry = self._entries.get(key)

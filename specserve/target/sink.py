@@ -296,7 +296,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
     def stats(self) -> dict:
         with self._lock:
             s = self._book.stats
-            return {**s.__dict__, "open_requests": len(self._book), "streams": len(self._streams),
+            return {**s.__dict__, "open_requests": len(self._book),
+                    "attached_requests": self._book.attached(), "streams": len(self._streams),
                     "request_errors": self.request_errors}
 
     def figures(self) -> dict[str, tuple[BookStats, WaitFigures]]:

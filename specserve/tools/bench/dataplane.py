@@ -12,13 +12,14 @@ The emulated engine loop is `specserve/tools/bench/dataplane_loop.py`
 `loop_slowdown` compares its mean step with proposer and drafts against the
 same loop without them.
 
-The seams the registered, id-keyed plane (issue 24 items 1-3) changes are
-here, under "seams": `start_request` (register with the sink when it can,
-then hand the request to its draft; the draft side is
-`dataplane_draft.open_request`), `end_request`, `attach` (give the proposer
-vLLM's input batch when it takes one) and `_Watch` (the round-trip timing,
-which wraps the book's `propose` and `extend`); and `build_proposer` (the
-sink's settings, today environment variables).
+How requests start and end is here, under "seams", as the target's engine
+client does it: `start_request` registers the request with the sink (id,
+prompt, K, end, a fresh ticket) and hands it to its draft with the ticket (the
+draft side is `dataplane_draft.open_request`); `end_request` closes the draft
+and unregisters; `attach` gives the proposer the loop's input batch (rows by
+vLLM request id); `_Watch` (the round-trip timing) wraps the book's
+`propose_rows` and `extend_batch`; `build_proposer` hands the sink its
+settings as `TargetEngine.start` does (`SinkSettings`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ctypes
 import dataclasses
 import gc
 import os
+import secrets
 import sys
 import time
 import types
@@ -41,6 +43,9 @@ CLOSE_TIMEOUT_S = 30.0
 UNANSWERED_S = 2.0  # a verified update with no answer by then is counted unanswered
 MAX_HANDED = 500_000  # verified updates remembered per cell for the round trip's legs
 SINK_MAX_PENDING = 64  # drafted tokens the sink buffers per request (its served default)
+# The capacity cell's unthrottled senders send a batch per loop turn: far more
+# than a real draft step's rate, so the stream bound is lifted for the bench.
+MAX_STREAM_MESSAGES_PER_S = 1_000_000
 
 
 def progress(msg: str) -> None:
@@ -66,17 +71,19 @@ def build_proposer(plan: Plan, max_model_len: int):
     from unittest import mock
 
     from specserve.target import proposer as prop
+    from specserve.target.sink_settings import ENV as SINK_ENV
+    from specserve.target.sink_settings import SinkSettings
 
     # What the proposer reads of vLLM's VllmConfig.
     config = types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(num_speculative_tokens=plan.k),
         model_config=types.SimpleNamespace(get_vocab_size=lambda: plan.draft.vocab,
                                            max_model_len=max_model_len))
-    env = {prop.ENV_ADDRESS: "127.0.0.1:0", prop.ENV_MAX_WAIT_MS: str(plan.max_wait_ms),
-           prop.ENV_RELEASE_AFTER: "0", prop.ENV_MAX_PENDING: str(SINK_MAX_PENDING)}
-    saved = {k: os.environ.get(k) for k in (*env, prop.ENV_PORT_FILE)}
+    env = SinkSettings("127.0.0.1:0", max_pending=SINK_MAX_PENDING,
+                       max_wait_ms=plan.max_wait_ms,
+                       max_stream_messages_per_s=MAX_STREAM_MESSAGES_PER_S).to_env()
+    saved = {SINK_ENV: os.environ.get(SINK_ENV)}
     os.environ.update(env)
-    os.environ.pop(prop.ENV_PORT_FILE, None)
     try:
         proposer = prop.RemoteDraftProposer(config)  # applies vllm_fixes: imports vLLM
         # Outside a vLLM worker there is no tensor-parallel group; this process is rank 0.
@@ -98,40 +105,39 @@ def build_proposer(plan: Plan, max_model_len: int):
 
 def start_request(sink, drafts: DraftProcesses, rid: str, seed: int, n_prompt: int, end: int,
                   k: int, vocab: int) -> None:
-    """Start one request's drafting: the one place the harness starts requests.
-    With a sink that registers requests (issue 24 item 2) the target registers
-    it first and the draft presents the ticket; today the draft opens it with
-    its prompt (`dataplane_draft.open_request`)."""
-    ticket = None
-    if hasattr(sink, "register"):
-        ticket = sink.register(rid, true_tokens(seed, 0, n_prompt, vocab).tolist(), end=end, k=k)
+    """Start one request's drafting, as the target's engine client does
+    (`DraftingEngine._open_drafts`): register it with the sink (its prompt, K,
+    end and a fresh ticket), then hand it to its draft with the ticket."""
+    ticket = secrets.token_urlsafe(16)
+    sink.register(rid, true_tokens(seed, 0, n_prompt, vocab).tolist(), ticket, k=k, end=end)
     drafts.start(rid, seed, n_prompt, end, k, ticket)
 
 
 def end_request(sink, drafts: DraftProcesses, rid: str) -> None:
-    """A request left the batch: its draft closes it (today the only way the sink forgets it)."""
+    """A request left the batch: its draft closes it and the target unregisters it."""
     drafts.stop(rid)
+    sink.unregister(rid)
 
 
 def attach(proposer, batch) -> None:
-    """Hand the proposer vLLM's input batch (rows by vLLM request id), when it takes one."""
-    if hasattr(proposer, "attach_batch"):
-        proposer.attach_batch(batch)
+    """Hand the proposer vLLM's input batch (rows by vLLM request id), as the
+    worker hook does (`SinkWorkerExtension`)."""
+    proposer.attach_batch(batch)
 
 
 class _Watch:
     """Round trips: a verified update out of propose() -> the draft's first message
     built on it (its window starts at or past the update's end) applied to the book.
 
-    Wraps the sink's book's `propose` (to see the updates it hands out, and when)
-    and `extend` (to see, per request, when a message built on a newer verified
-    position first arrives). Both wrappers cost a clock read and a dict update,
-    in the same threads as the calls they wrap."""
+    Wraps the sink's book's `propose_rows` (to see the verified batches it hands
+    out, and when) and `extend_batch` (to see, per request, when a window built
+    on a newer verified position first arrives). Both wrappers cost a clock read
+    and a dict update per request, in the same threads as the calls they wrap."""
 
     def __init__(self, sink):
         book = sink._book
-        self._propose, self._extend = book.propose, book.extend
-        book.propose, book.extend = self._on_propose, self._on_extend
+        self._propose, self._extend = book.propose_rows, book.extend_batch
+        book.propose_rows, book.extend_batch = self._on_propose, self._on_extend
         self.handed: list = []  # (updates, when), drained by collect()
         self.newest: dict = {}  # key -> (position, when) of the first message built on it
         self.waiting: dict = {}  # key -> [(end, when sent)], oldest first
@@ -141,26 +147,27 @@ class _Watch:
         self.unanswered = 0
 
     def _on_propose(self, *args, **kwargs):
-        proposals, updates = self._propose(*args, **kwargs)
-        if updates:
-            self.handed.append((updates, time.monotonic()))
-        return proposals, updates
+        proposals, verified = self._propose(*args, **kwargs)
+        if len(verified):
+            self.handed.append((verified, time.monotonic()))
+        return proposals, verified
 
-    def _on_extend(self, key, position, *args, **kwargs):
-        last = self.newest.get(key)
-        if last is None or position > last[0]:
-            self.newest[key] = (position, time.monotonic())
-        return self._extend(key, position, *args, **kwargs)
+    def _on_extend(self, stream, keys, positions, *args, **kwargs):
+        now = time.monotonic()
+        for key, position in zip(keys, list(positions)):
+            last = self.newest.get(key)
+            if last is None or position > last[0]:
+                self.newest[key] = (position, now)
+        return self._extend(stream, keys, positions, *args, **kwargs)
 
     def collect(self, now: float) -> None:
         """Match the updates handed out with answers seen (called between steps)."""
         handed, self.handed = self.handed, []
-        for updates, when in handed:
-            for u in updates:
-                end = u.position + len(u.token_ids)
-                self.waiting.setdefault(u.key, []).append((end, when))
+        for verified, when in handed:
+            for key, end in zip(verified.keys, (verified.positions + verified.counts).tolist()):
+                self.waiting.setdefault(key, []).append((end, when))
                 if len(self.handed_out) < MAX_HANDED:
-                    self.handed_out.append((u.key[-1], end, when))
+                    self.handed_out.append((key, end, when))
         for key in list(self.waiting):
             pending = self.waiting[key]
             seen = self.newest.get(key)
@@ -168,7 +175,7 @@ class _Watch:
                     and seen[1] >= pending[0][1]:
                 end, sent = pending.pop(0)
                 self.round_trips.append(seen[1] - sent)
-                self.answered.append((key[-1], end, sent, seen[1]))
+                self.answered.append((key, end, sent, seen[1]))
             while pending and now - pending[0][1] > UNANSWERED_S:
                 pending.pop(0)
                 self.unanswered += 1
@@ -203,6 +210,11 @@ class _Watch:
 
 
 def _open(sink) -> int:
+    """Requests a draft has attached to (registered ones wait for their draft)."""
+    return int(sink.stats()["attached_requests"])
+
+
+def _registered(sink) -> int:
     return int(sink.stats()["open_requests"])
 
 
@@ -244,7 +256,7 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     loop.stop_all()
     watch.forget()
     closed = time.monotonic() + CLOSE_TIMEOUT_S
-    while _open(sink) > 0 and time.monotonic() < closed:
+    while _registered(sink) > 0 and time.monotonic() < closed:
         time.sleep(0.05)
     gained, verify_steps = loop.gained - g0, loop.verify_steps - v0
     del loop

@@ -227,11 +227,10 @@ class DraftReplica:
 
 
 def open_request(link, rid: str, prompt: list[int], k: int, end: int, ticket) -> None:
-    """The draft side of starting a request (one of the seams the registered plane
-    changes): today the draft opens it on its stream with the prompt, K and end;
-    `ticket` (what `DraftSink.register` returned, when the sink has it) is not
-    sent yet."""
-    link.open(rid, prompt, k, end=end)
+    """The draft side of starting a request: it opens the request the target
+    registered with the ticket it was given (as DraftRunner.start does); the
+    prompt, K and end are the target's, at the sink."""
+    link.open(rid, ticket)
 
 
 def run_replica(index: int, address: str, plan: DraftPlan, commands, results) -> None:
