@@ -28,7 +28,7 @@ import logging
 
 from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
-from specserve.openai_api import ApiError
+from specserve.openai_api import ApiError, TargetUnavailable
 
 from deployments.choice import DraftChoice
 from deployments.ops import OpsViews, ServeMetrics, dashboard_page
@@ -58,10 +58,14 @@ _HOP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "d
 
 
 def _replica_failed(e: BaseException) -> bool:
-    """The replica serving a call died or became unreachable (not a bad request)."""
+    """The replica serving a call died, became unreachable, or has a dead engine
+    (not a bad request)."""
     from ray.exceptions import RayActorError
 
-    return isinstance(e, RayActorError)
+    # Ray re-raises a replica's exception as a RayTaskError that is also an
+    # instance of the original class; `cause` covers a plain RayTaskError.
+    return isinstance(e, (RayActorError, TargetUnavailable)) or isinstance(
+        getattr(e, "cause", None), TargetUnavailable)
 
 
 def _target_failed(e: BaseException) -> ApiError:
