@@ -12,7 +12,7 @@ no longer needed.
    verified against logits divided by uninitialised memory: speculative sampling
    on CPU is lossy (seen here: with draft == target, P(t2 = greedy) 0.86 instead
    of 0.11; vLLM's own `draft_model` method shows the same). Greedy decoding is
-   not affected. tests/test_sampling.py fails without this fix.
+   not affected. tests/target/test_sampling.py fails without this fix.
    No longer needed when `expand_batch_to_tokens` on CPU fills float outputs
    (tests/target/test_vllm_fixes.py checks it through vLLM's dispatch).
 
