@@ -1,29 +1,30 @@
 """A fuzz of the speculating engine itself, below HTTP (issue 25).
 
-Hypothesis draws batches of concurrent requests with every field vLLM's
-`SamplingParams` takes (temperature 0 and > 0, top_k, top_p, min_p, penalties,
-n, logprobs, prompt logprobs, stop strings and ids, min_tokens, bad words,
-allowed ids, logit bias, structured outputs, seeds, max_tokens up to the
-context edge) and runs each batch through `DraftingEngine` (the engine client
-the target replica serves vLLM's OpenAI app on) over a speculating engine,
-while a draft played here over the sink's gRPC stream gives each sequence one
-behaviour: no draft, the target's true continuation, the same late, garbage,
-or another request's continuation. The same batch runs on a target-only
-engine.
+Hypothesis draws batches of requests with every field vLLM's `SamplingParams`
+takes (temperature 0 and > 0, top_k, top_p, min_p, penalties, n, logprobs,
+prompt logprobs, stop strings and ids, min_tokens, bad words, allowed ids,
+logit bias, structured outputs, seeds, max_tokens up to the context's edge),
+greedy and sampled rows mixed, and sends each batch in staggered waves through
+`DraftingEngine` (the engine client the target replica serves vLLM's OpenAI
+app on) to a speculating engine, while a draft played here over the sink's
+gRPC stream gives each sequence one behaviour: no draft, the target's true
+continuation, the same late, garbage, or another request's continuation.
+Swarm testing: each batch enables only some fields and some draft behaviours
+(see `batch`). The deterministic rows run on a target-only engine too.
 
 What must hold, for every batch:
 - the engine stays alive and every request ends with a result or a clear
   refusal (vLLM's VLLMClientError or a ValueError, which vLLM's OpenAI layer
-  answers with a 4xx), and a
-  refusal only for what is refused on purpose (min_p and logit_bias while
-  speculating, vLLM's own rule; a seed at temperature > 0 on the CPU engine);
+  answers with a 4xx), and a refusal only for what is refused on purpose
+  (min_p at temperature > 0 and logit_bias while speculating, vLLM's own
+  rule; a seed at temperature > 0 on the CPU engine, `DraftingEngine`'s);
 - deterministic rows (temperature 0, or top_k = 1) equal the target-only
   engine's output token for token, whatever the drafts were.
 Sampled rows' distributions are tests/target/test_sampling.py's business.
 
 CI runs SPECSERVE_ENGINE_FUZZ_BATCHES (default 43) batches of 48 requests
-(2 064 in all); set it higher for the long form
-(docs/reliability.md).
+(2 064 in all); set it higher for the long form (docs/reliability.md).
+The module's second test checks the totals, so run the module whole.
 """
 
 import asyncio
