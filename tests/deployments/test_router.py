@@ -225,7 +225,11 @@ def dead_engine():
                         ).as_instanceof_cause()
 
 
-def test_a_dead_engine_is_a_failed_replica_retried_or_503_never_a_500():
+def test_a_dead_engine_is_a_failed_replica_retried_or_503_never_a_500(monkeypatch):
+    import deployments.router
+
+    monkeypatch.setattr(deployments.router, "DEAD_ENGINE_RETRY_S", 0.0)
+
     async def go():
         # Before the answer: retried (on another replica, or the restarted one).
         target = FakeTarget([FakeStream([], error=dead_engine()),
