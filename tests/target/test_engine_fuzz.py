@@ -187,6 +187,7 @@ def engines(tiny_models):
     loop = Loop()
     spec = LocalSpec(target, None, k=K, settings=settings_, sink_only=True)
     alone = LocalSpec(target, None, settings=settings_)
+    player = None
     try:
         loop.run(spec.__aenter__())
         loop.run(alone.__aenter__())
@@ -194,6 +195,8 @@ def engines(tiny_models):
         player.start()
         yield spec, alone, player, loop
     finally:
+        if player is not None:
+            player.stop()
         loop.run(spec.aclose())
         loop.run(alone.aclose())
         loop.close()
