@@ -435,7 +435,8 @@ def test_the_fuzz_ran_and_the_engine_still_answers(engines, reference):
     assert counts["deterministic"] > 0.2 * counts["requests"], counts
     assert counts["sampled"] > 0.2 * counts["requests"], counts
     assert counts["refused"] > 0, counts
-    assert spec.totals.accepted_tokens > counts["requests"] // 2, spec.totals
+    # (1 256 and 1 300 accepted of 2 064 requests in two runs here)
+    assert spec.totals.accepted_tokens > counts["requests"] // 8, spec.totals
     assert spec.totals.draft_tokens > spec.totals.accepted_tokens, spec.totals
     assert player.verified > 0
     tok = AutoTokenizer.from_pretrained(str(spec.target))
