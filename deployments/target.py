@@ -43,6 +43,28 @@ ENGINE_WATCH_S = 0.2
 DEAD_GRACE_S = 1.0
 
 
+def _is_error(item) -> bool:
+    """An item of vLLM's app that reports a failure: a 5xx start, or SSE chunks
+    holding an error event (vLLM streams `data: {"error": ...}` when generation
+    fails; inside a JSON string those quotes would be escaped)."""
+    if isinstance(item, dict):
+        return item.get("status", 0) >= 500
+    return isinstance(item, (bytes, bytearray)) and b'data: {"error"' in item
+
+
+def _end_process_tree() -> None:
+    """SIGKILL this process's children (what is left of the engine: its worker
+    outlives a killed EngineCore for seconds, holding memory), then exit."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(1)
+
+
 def _node_ip() -> str:
     try:
         import ray
@@ -117,8 +139,10 @@ class TargetServer:
         async with contextlib.aclosing(calls):
             async for item in calls:
                 # vLLM answers a dead engine with a 500 (or an SSE error event):
-                # the router is told instead, before the item reaches it.
-                self._raise_if_dead()
+                # the router is told instead, before the item reaches it. (An
+                # answer the engine finished before it died goes on as it is.)
+                if self.engine.errored and _is_error(item):
+                    self._raise_if_dead()
                 if isinstance(item, dict):
                     failed = item["status"] >= 400
                 elif failed:
@@ -139,7 +163,8 @@ class TargetServer:
         log.error("target engine is dead; ending replica %s in %g s so that Serve replaces it",
                   replica_name(), DEAD_GRACE_S)
         time.sleep(DEAD_GRACE_S)
-        os._exit(1)
+        _end_process_tree()
+
 
     async def _openai_app(self):
         if self._app is None:

@@ -31,7 +31,7 @@ def test_a_request_on_a_dead_engine_raises_target_unavailable_before_anything_is
 def test_the_watcher_ends_the_replica_soon_after_the_engine_dies(monkeypatch):
     server = replica(errored=False)
     ended = threading.Event()
-    monkeypatch.setattr(target.os, "_exit", lambda code: ended.set())
+    monkeypatch.setattr(target, "_end_process_tree", ended.set)
     monkeypatch.setattr(target, "ENGINE_WATCH_S", 0.01)
     monkeypatch.setattr(target, "DEAD_GRACE_S", 0.05)
     monkeypatch.setattr(target, "replica_name", lambda: "r0")
@@ -41,3 +41,14 @@ def test_the_watcher_ends_the_replica_soon_after_the_engine_dies(monkeypatch):
     server.engine.errored = True
     assert ended.wait(5), "the replica did not end after its engine died"
     watcher.join(5)
+
+
+def test_only_vllms_failures_on_a_dead_engine_become_target_unavailable():
+    """An answer the engine finished before it died goes on as it is; a 5xx
+    start or an SSE error event of vLLM's does not reach the client."""
+    assert target._is_error({"status": 500, "headers": []})
+    assert not target._is_error({"status": 200, "headers": []})
+    assert not target._is_error({"status": 400, "headers": []})  # the client's error
+    assert target._is_error(b'data: {"a": 1}\n\ndata: {"error": {"message": "dead"}}\n\n')
+    assert not target._is_error(b'data: {"choices": [{"text": "data: {\\"error\\""}]}\n\n')
+    assert not target._is_error(b"data: [DONE]\n\n")
