@@ -21,8 +21,9 @@ no longer needed.
    every step goes through the rejection sampler, even a step with no drafted
    token in it (a prefill, or a decode step whose rows found no drafts), and
    then `apply_sampling_constraints` filters the draft positions' logits, a
-   [0, vocab] tensor, with a [0] `top_k`: any request with `top_k` at
-   temperature > 0 killed EngineCore in its first step ("max(): Expected
+   [0, vocab] tensor, with a [0] `top_k`: a request with `top_k` at
+   temperature > 0 killed EngineCore in its first step, unless some row of the
+   step used `top_p` (which takes the sort path instead) ("max(): Expected
    reduction dim to be specified for input.numel() == 0"). Only platforms
    without Triton take this path (`apply_top_k_top_p` sends them to
    `apply_top_k_top_p_pytorch(..., allow_cpu_sync=is_cpu)`, and only on CPU is
