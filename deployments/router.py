@@ -28,7 +28,7 @@ import logging
 
 from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
-from specserve.openai_api import ApiError
+from specserve.openai_api import ApiError, TargetUnavailable
 
 from deployments.choice import DraftChoice
 from deployments.ops import OpsViews, ServeMetrics, dashboard_page
@@ -38,6 +38,11 @@ log = logging.getLogger("specserve.router")
 # A request whose target replica dies before anything reached the client is
 # run again (Serve routes it to a live replica, or waits for the restarted one).
 TARGET_ATTEMPTS = 2
+
+# A replica whose engine died answers TargetUnavailable for about a second
+# before it ends (deployments/target.py DEAD_GRACE_S); the retry waits until it
+# is gone, so that Serve sends it to another replica (or holds it for the new one).
+DEAD_ENGINE_RETRY_S = 2.0
 
 # /healthz waits this long for a target replica to say its engine is up.
 HEALTH_WAIT_S = 5.0
@@ -57,11 +62,20 @@ _HOP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "te", "
 _HOP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
 
 
+def _engine_dead(e: BaseException) -> bool:
+    """The replica serving a call is alive but its engine is dead."""
+    # Ray re-raises a replica's exception as a RayTaskError that is also an
+    # instance of the original class; `cause` covers a plain RayTaskError.
+    return isinstance(e, TargetUnavailable) or isinstance(getattr(e, "cause", None),
+                                                          TargetUnavailable)
+
+
 def _replica_failed(e: BaseException) -> bool:
-    """The replica serving a call died or became unreachable (not a bad request)."""
+    """The replica serving a call died, became unreachable, or has a dead engine
+    (not a bad request)."""
     from ray.exceptions import RayActorError
 
-    return isinstance(e, RayActorError)
+    return isinstance(e, RayActorError) or _engine_dead(e)
 
 
 def _target_failed(e: BaseException) -> ApiError:
@@ -260,6 +274,8 @@ class Router:
                     raise
                 log.warning("target replica failed before answering %s (%s); retrying",
                             path, type(e).__name__)
+                if _engine_dead(e):
+                    await asyncio.sleep(DEAD_ENGINE_RETRY_S)
 
     def _take_records(self, item) -> bool:
         """An item after the body: the target's records of finished sequences."""

@@ -8,6 +8,12 @@ for each engine request (after vLLM's tokenization and chat templating) a
 replica of the draft pool the router chose streams drafts to that sink. The
 draft call is fire-and-forget: if no draft replica is healthy, slow or dead,
 the request runs on the target alone, with the same output.
+
+A dead engine (EngineCore crashed or killed) is never hidden behind vLLM's 500:
+requests on it raise `TargetUnavailable` to the router (a retry, or a 503), and
+a watcher thread ends the replica's process within ENGINE_WATCH_S +
+DEAD_GRACE_S, so Serve starts a new replica at once instead of at its next
+health check.
 """
 
 from __future__ import annotations
@@ -18,15 +24,45 @@ import contextvars
 import logging
 import os
 import socket
+import threading
+import time
 
 from deployments import replica_name
 from specserve import logs
 from specserve.config import AppConfig
+from specserve.openai_api import TargetUnavailable
 from specserve.target import openai_app
 from specserve.target.drafting import ROUTE, DraftingEngine, Route
 from specserve.tls import TlsFiles
 
 log = logging.getLogger("specserve.target")
+
+# How often the watcher looks at the engine, and how long a replica with a dead
+# engine lives on so that its in-flight calls answer the router first.
+ENGINE_WATCH_S = 0.2
+DEAD_GRACE_S = 1.0
+
+
+def _is_error(item) -> bool:
+    """An item of vLLM's app that reports a failure: a 5xx start, or SSE chunks
+    holding an error event (vLLM streams `data: {"error": ...}` when generation
+    fails; inside a JSON string those quotes would be escaped)."""
+    if isinstance(item, dict):
+        return item.get("status", 0) >= 500
+    return isinstance(item, (bytes, bytearray)) and b'data: {"error"' in item
+
+
+def _end_process_tree() -> None:
+    """SIGKILL this process's children (what is left of the engine: its worker
+    outlives a killed EngineCore for seconds, holding memory), then exit."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(1)
 
 
 def _node_ip() -> str:
@@ -81,6 +117,7 @@ class TargetServer:
             on_cpu=current_platform.is_cpu())
         self._app = None  # vLLM's OpenAI app, built on first use (it needs the loop)
         self._app_lock: asyncio.Lock | None = None
+        threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
         log.info("target %s ready (TP=%d, K=%d, sink %s)", self.model_dir,
                  t.tensor_parallel_size, self.k, self.sink_address)
 
@@ -94,6 +131,7 @@ class TargetServer:
         and last {"records": [RequestRecord, ...]}: one per finished sequence,
         with vLLM's spec-decode figures for it. Error bodies name specserve's
         config where vLLM's name its flags (`openai_app.config_hint`)."""
+        self._raise_if_dead()
         app = await self._openai_app()
         route = Route(draft, min(k, self.k))
         context = contextvars.copy_context()  # the app's task runs in it
@@ -102,12 +140,33 @@ class TargetServer:
         failed = False
         async with contextlib.aclosing(calls):
             async for item in calls:
+                # vLLM answers a dead engine with a 500 (or an SSE error event):
+                # the router is told instead, before the item reaches it. (An
+                # answer the engine finished before it died goes on as it is.)
+                if self.engine.errored and _is_error(item):
+                    self._raise_if_dead()
                 if isinstance(item, dict):
                     failed = item["status"] >= 400
                 elif failed:
                     item = openai_app.config_hint(item)
                 yield item
         yield {"records": route.records}
+
+    def _raise_if_dead(self) -> None:
+        if self.engine.errored:
+            raise TargetUnavailable("the target engine is dead; the replica is being replaced")
+
+    def _watch_engine(self) -> None:
+        """End this replica's process soon after its engine dies: Serve then
+        replaces it at once (its health check would notice only every
+        health_check_period_s), and the router's calls to it fail over."""
+        while not self.engine.errored:
+            time.sleep(ENGINE_WATCH_S)
+        log.error("target engine is dead; ending replica %s in %g s so that Serve replaces it",
+                  replica_name(), DEAD_GRACE_S)
+        time.sleep(DEAD_GRACE_S)
+        _end_process_tree()
+
 
     async def _openai_app(self):
         if self._app is None:

@@ -1,4 +1,6 @@
-"""The OpenAI error shape of the router's own answers (401, 404, 413, 503, 500).
+"""The OpenAI error shape of the router's own answers (401, 404, 413, 503, 500),
+and `TargetUnavailable`, which a target replica raises to the router when its
+engine is dead (the router answers 503 or retries, as for a dead replica).
 
 The OpenAI API itself (request parsing and validation, chat templates,
 responses, streaming chunks, logprobs, errors about request fields) is vLLM's
@@ -26,3 +28,9 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+
+class TargetUnavailable(Exception):
+    """Raised by a target replica whose engine is dead: the request was not
+    served there, and the router treats it as a failed replica (a retry when
+    nothing was sent yet, else a 503 `target_unavailable`)."""

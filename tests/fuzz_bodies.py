@@ -24,6 +24,9 @@ common = {
     "max_tokens": either(st.integers(1, 6)) | st.integers(-5, 2**40),
     "temperature": either(st.sampled_from([0, 0.0])) | st.floats(-3, 5),
     "top_p": either(st.floats(0.01, 1.0)),
+    # (top_k at temperature > 0 once killed the speculating engine: issue 25)
+    "top_k": either(st.sampled_from([-1, 0, 1, 2, 50])) | st.integers(-5, 10**6),
+    "min_p": either(st.floats(0.0, 1.0)),
     "seed": either(st.integers(0, 2**31)),
     "stop": either(st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4),
                                                               max_size=3)),

@@ -28,9 +28,10 @@ class FakeRemote:
 class FakeStream:
     """Stands in for a streaming DeploymentResponseGenerator."""
 
-    def __init__(self, items, error=None):
+    def __init__(self, items, error=None, then=None):
         self.items = list(items)
         self.error = error  # raised instead of the first item
+        self.then = then  # raised after the items (a replica failing mid-answer)
         self.cancelled = 0
 
     def __aiter__(self):
@@ -41,6 +42,8 @@ class FakeStream:
         if self.error is not None:
             raise self.error
         if not self.items:
+            if self.then is not None:
+                raise self.then
             raise StopAsyncIteration
         return self.items.pop(0)
 

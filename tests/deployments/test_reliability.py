@@ -15,7 +15,10 @@ the draft -> target gRPC stream). The tests run in file order on that app:
   same output, new requests are served, and Serve's restarted replica drafts;
 - the target replica killed mid-stream: in-flight requests end with a clear
   error (or are retried once the target is back), none hangs, the router stays
-  up, and after the restart the output is correct again.
+  up, and after the restart the output is correct again;
+- the target's engine killed mid-stream (its replica lives on): the same, the
+  replica ends itself and is replaced at once, /healthz is 503 meanwhile, and
+  the time to the first good answer is printed.
 
 Long soak (documented in the README):
   SPECSERVE_SOAK_SECONDS=120 SPECSERVE_SOAK_CLIENTS=16 \
@@ -450,3 +453,83 @@ def test_target_replica_killed_mid_stream(app, expected):
     wait_for(lambda: held(stats(app)) == (0, 0, 0), 120,
              "router in-flight, target unfinished requests and draft active back to 0",
              interval=2)
+
+
+def engine_core(app) -> tuple[psutil.Process, psutil.Process]:
+    """The target replica's process and its vLLM EngineCore (vLLM titles it)."""
+    [replica] = replica_processes(app, "target")
+    [core] = [p for p in replica.children(recursive=True)
+              if "EngineCore" in " ".join(p.cmdline())]
+    return replica, core
+
+
+def test_a_dead_target_engine_is_replaced_at_once(app, expected):
+    """The target's EngineCore SIGKILLed mid-stream (as when a kernel raises in
+    it, issue 25): in-flight requests end with a clear 503 error (streams: the
+    SSE error event after a correct prefix; a request with nothing sent yet is
+    retried, or gets a 503), never vLLM's 500; the replica ends itself
+    (deployments/target.py `TargetServer._watch_engine`) and Serve starts a
+    new one; /healthz is 503 until a target serves; and the time from the
+    death to the first good answer is measured (docs/reliability.md)."""
+    wait_for(lambda: get(f"{app.url}/healthz", timeout=10)[0] == 200, 300, "a target serves")
+    replica, core = engine_core(app)
+    plain, plain_results = in_threads(
+        lambda j: post(f"{app.url}/v1/completions", body(PROMPTS[j], LONG, stream=False),
+                       timeout=300), [(j,) for j in range(2)])
+    streams, stream_results = start_streams(app, PROMPTS[:3], LONG, 300)
+    os.kill(core.pid, signal.SIGKILL)
+    died = time.monotonic()
+
+    health: list[tuple[float, int]] = []
+    answered = threading.Event()
+
+    def watch_health():
+        while not answered.is_set():
+            health.append((time.monotonic() - died, get(f"{app.url}/healthz", timeout=30)[0]))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch_health, daemon=True)
+    watcher.start()
+
+    def served():
+        try:
+            status, reply = post(f"{app.url}/v1/completions",
+                                 body(PROMPTS[0], SHORT, stream=False), timeout=120)
+        except OSError:
+            return False
+        assert status in (200, 503), (status, reply)  # never vLLM's 500
+        return status == 200 and reply
+
+    reply = wait_for(served, 300, "served again after the engine died", interval=0.2)
+    recovered = time.monotonic() - died
+    answered.set()
+    watcher.join(40)
+    assert reply["choices"][0]["text"] == expected[SHORT][0]
+    assert not replica.is_running(), "the replica with the dead engine is still up"
+
+    for t in streams + plain:
+        t.join(300)
+    assert not any(t.is_alive() for t in streams + plain), "an in-flight request hangs"
+    for j in range(3):
+        text, error, done = stream_results[j]
+        assert done, stream_results[j]
+        if error is not None:
+            assert error["code"] == "target_unavailable" and error["message"], error
+            assert expected[LONG][j].startswith(text), (text, expected[LONG][j])
+        else:
+            assert text == expected[LONG][j]
+    assert any(stream_results[j][1] is not None for j in range(3)), \
+        "no stream was in flight when the engine died; the test proves nothing"
+    for j in range(2):
+        status, reply = plain_results[j]
+        if status == 200:  # retried on the new replica
+            assert reply["choices"][0]["text"] == expected[LONG][j], reply
+        else:
+            assert status == 503 and reply["error"]["code"] == "target_unavailable", reply
+    # /healthz said 503 while no target could serve, and says 200 now.
+    assert any(status == 503 for _, status in health), health
+    assert get(f"{app.url}/healthz", timeout=10) == (200, {"status": "ok"})
+    first_503 = min(t for t, status in health if status == 503)
+    print(f"\nengine death -> first good answer: {recovered:.1f} s (health 503 from "
+          f"{first_503:.1f} s; streams {[r[1] and r[1]['code'] for r in stream_results.values()]}, "
+          f"non-streaming {[r[0] for r in plain_results.values()]})")

@@ -214,6 +214,43 @@ def test_a_dead_replica_before_the_answer_is_retried_once():
     asyncio.run(go())
 
 
+def dead_engine():
+    """TargetUnavailable as Ray hands it to the router: a RayTaskError that is
+    also an instance of the replica's exception."""
+    from ray.exceptions import RayTaskError
+
+    from specserve.openai_api import TargetUnavailable
+
+    return RayTaskError("http", "Traceback ...", TargetUnavailable("engine dead")
+                        ).as_instanceof_cause()
+
+
+def test_a_dead_engine_is_a_failed_replica_retried_or_503_never_a_500(monkeypatch):
+    import deployments.router
+
+    monkeypatch.setattr(deployments.router, "DEAD_ENGINE_RETRY_S", 0.0)
+
+    async def go():
+        # Before the answer: retried (on another replica, or the restarted one).
+        target = FakeTarget([FakeStream([], error=dead_engine()),
+                             FakeStream(json_answer(b'{"ok": 1}'))])
+        r = router(target)
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert status == 200 and got == b'{"ok": 1}' and len(target.calls) == 2
+        # Mid-stream: the stream ends with the target_unavailable error event.
+        start = sse_answer([b'data: {"a": 1}\n\n'], records=[record()])[0]
+        stream = FakeStream([start, b'data: {"a": 1}\n\n'], then=dead_engine())
+        r = router(FakeTarget([stream]))
+        status, _, got = await answer(
+            r, request("POST", "/v1/chat/completions", b'{"stream": true}'))
+        events = got.decode().split("\n\n")
+        assert status == 200 and events[0] == 'data: {"a": 1}', events
+        assert json.loads(events[1][len("data: "):])["error"]["code"] == "target_unavailable"
+        assert events[2] == "data: [DONE]" and r.choice.inflight == {"same": 0}
+
+    asyncio.run(go())
+
+
 def test_error_body_shape():
     e = ApiError(401, "bad key", type="authentication_error", code="invalid_api_key")
     assert e.body() == {"error": {"message": "bad key", "type": "authentication_error",

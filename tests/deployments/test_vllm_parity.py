@@ -204,6 +204,14 @@ CASES = {
                               "stop_token_ids": [104, 105, 106, 107, 108]}),
     "top_k top_p": (CMPL, {**G, "prompt": "Hello world", "max_tokens": 8, "top_k": 5,
                            "top_p": 0.5}),
+    # Issue 25: top_k at temperature > 0 killed the speculating engine (vLLM's
+    # CPU top_k on a step without drafted tokens; specserve/target/vllm_fixes.py
+    # fix 2). top_k = 1 makes the sample the greedy token, so both servers agree.
+    "temperature 1 top_k 1": (CMPL, {"model": MODEL, "temperature": 1.0, "top_k": 1,
+                                     "prompt": "Hello world", "max_tokens": 16}),
+    "chat stream temperature 0.7 top_k 1": (CHAT, {
+        "model": MODEL, "temperature": 0.7, "top_k": 1, "max_tokens": 12, "messages": HELLO,
+        "stream": True}),
     "min_tokens ignore_eos": (CMPL, {**G, "prompt": "Hi", "max_tokens": 12, "min_tokens": 10,
                                      "ignore_eos": True}),
     "structured choice": (CMPL, {**G, "prompt": "Answer:", "max_tokens": 8,
@@ -326,7 +334,8 @@ def test_models_list_like_vllm(vllm_server, specserve_server):
 
 def test_drafts_were_used(specserve_server):
     """The answers above went through speculative decoding, and vLLM reports
-    its spec-decode figures per request."""
+    its spec-decode figures per request (and the engine still answers after
+    the sampled top_k cases of issue 25)."""
     status, reply = call(specserve_server, *CASES["plain"])
     assert status == 200 and reply["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0
     status, stats = get(f"{specserve_server}/v1/spec/stats")

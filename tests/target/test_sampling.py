@@ -1,12 +1,19 @@
-"""Sampling at temperature 1.0 is lossless: with speculation, the first tokens
-follow the target's own distribution.
+"""Sampling at temperature > 0 is lossless: with speculation, the first tokens
+follow the target's own distribution, with and without top_k, top_p and
+penalties.
 
 The expected distribution is exact: transformers computes p(t1), p(t2 | t1) and
-p(t3 | t1, t2) for the tiny target, so the chi-square test compares the engine's
-samples with the truth, not with another sample. The same test run on samples
-from deliberately wrong verifiers (accept every draft; accept with sqrt(p))
-must reject them, which shows it has the power to catch a lossy verifier.
+p(t3 | t1, t2) for the tiny target, and `Rule` applies to those logits what
+vLLM applies before it samples (penalties, temperature, top_k, top_p, in
+vLLM's order), so the chi-square test compares the engine's samples with the
+truth, not with another sample. The same test run on samples from deliberately
+wrong verifiers (accept every draft; accept with sqrt(p)) must reject them,
+which shows it has the power to catch a lossy verifier; and each filtered
+rule's samples must fail against the unfiltered truth, which shows the test
+sees the filter. All rules run in one engine at once, so batches mix them.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -21,25 +28,76 @@ N = 1500
 P_THRESHOLD = 1e-4
 
 
-class Truth:
-    """Exact next-token distributions of the target after PROMPT (+ tokens)."""
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What vLLM does to the target's logits before it samples, for one kind of
+    request: penalties (on the prompt and the output so far), then temperature,
+    top_k, top_p (vllm/v1/sample/sampler.py; the rejection sampler's
+    apply_logits_processors and apply_sampling_constraints in the same order)."""
 
-    def __init__(self, model_dir, prompt_ids):
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def params(self, max_tokens: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **dataclasses.asdict(self))
+
+    def probs(self, logits: np.ndarray, prompt: list[int], output: tuple) -> np.ndarray:
+        x = logits.astype(np.float64).copy()
+        counts = np.bincount(np.array(output, dtype=np.int64), minlength=len(x))[: len(x)]
+        seen = counts > 0
+        seen[np.array(prompt, dtype=np.int64)] = True
+        r = self.repetition_penalty  # vLLM: divide positive logits, multiply negative
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+        x -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
+        x /= self.temperature
+        if 0 < self.top_k < len(x):  # keep logits >= the k-th largest (ties stay)
+            x[x < np.sort(x)[-self.top_k]] = -np.inf
+        if self.top_p < 1.0:  # vLLM: ascending sort; drop while cumsum <= 1 - p; keep the top
+            order = np.argsort(x, kind="stable")
+            p = np.exp(x[order] - x.max())
+            cum = np.cumsum(p / p.sum())
+            drop = cum <= 1 - self.top_p
+            drop[-1] = False
+            x[order[drop]] = -np.inf
+        e = np.exp(x - x.max())
+        return e / e.sum()
+
+
+PLAIN = Rule()
+RULES = {  # name -> rule; each gets N requests, all in one engine at once
+    "plain": PLAIN,
+    "top_k": Rule(top_k=6),
+    "top_p": Rule(temperature=0.8, top_p=0.75),
+    "top_k+top_p+penalties": Rule(temperature=1.2, top_k=24, top_p=0.9, presence_penalty=0.6,
+                                  frequency_penalty=0.4, repetition_penalty=1.4),
+}
+
+
+class Truth:
+    """Exact next-token distributions of the target after PROMPT (+ tokens),
+    as `rule` samples them."""
+
+    def __init__(self, model_dir, prompt_ids, rule: Rule = PLAIN, model=None):
         import torch
         from transformers import LlamaForCausalLM
 
         self.torch = torch
-        self.model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = model if model is not None else LlamaForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32).eval()
         self.prompt = list(prompt_ids)
+        self.rule = rule
         self._cache = {}
         self.p1 = self.dist(())
 
     def dist(self, prefix: tuple) -> np.ndarray:
         if prefix not in self._cache:
-            with self.torch.no_grad():
-                x = self.torch.tensor([self.prompt + list(prefix)])
-                logits = self.model(input_ids=x).logits[0, -1].double()
-            self._cache[prefix] = self.torch.softmax(logits, -1).numpy()
+            self.dists([prefix])
         return self._cache[prefix]
 
     def dists(self, prefixes: list[tuple]) -> None:
@@ -49,9 +107,9 @@ class Truth:
             chunk = todo[i : i + 256]
             with self.torch.no_grad():
                 x = self.torch.tensor([self.prompt + list(p) for p in chunk])
-                probs = self.torch.softmax(self.model(input_ids=x).logits[:, -1].double(), -1)
-            for p, row in zip(chunk, probs.numpy()):
-                self._cache[p] = row
+                logits = self.model(input_ids=x).logits[:, -1].double().numpy()
+            for p, row in zip(chunk, logits):
+                self._cache[p] = self.rule.probs(row, self.prompt, p)
 
 
 def chi_square_p(samples: list[tuple], truth: Truth) -> float:
@@ -76,9 +134,14 @@ def chi_square_p(samples: list[tuple], truth: Truth) -> float:
     observed = [counts.get(c, 0) for c in cells]
     expected = [n * p for p in cells.values()]
     rest_expected = n - sum(expected)
-    observed.append(n - sum(observed))
-    expected.append(rest_expected)
+    rest_observed = n - sum(observed)
     assert len(cells) >= 10, "too few cells: the test would have no power"
+    if rest_expected < 1e-9 * n:  # every outcome the rule allows has a cell (top_k)
+        if rest_observed > 0:
+            return 0.0  # outcomes the rule forbids were sampled
+        return float(stats.chisquare(observed, expected).pvalue)
+    observed.append(rest_observed)
+    expected.append(rest_expected)
     return float(stats.chisquare(observed, expected).pvalue)
 
 
@@ -114,12 +177,13 @@ def test_sampling_with_speculation_matches_the_target_distribution(tiny_models, 
     from transformers import AutoTokenizer
 
     from specserve.engine import EngineSettings
-    from specserve.local import LocalSpec, sampling_params
+    from specserve.local import LocalSpec
 
     target = str(tiny_models["target"])
     tok = AutoTokenizer.from_pretrained(target)
     ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
     truth = Truth(target, ids)
+    truths = {name: Truth(target, ids, rule, model=truth.model) for name, rule in RULES.items()}
     assert truth.p1.max() < 0.9, "the first token must be random enough to test sampling"
 
     # The test's power: wrong verifiers fail, the right rule passes.
@@ -134,17 +198,24 @@ def test_sampling_with_speculation_matches_the_target_distribution(tiny_models, 
         monkeypatch.setenv(var, value)
 
     async def run():
-        settings = EngineSettings(dtype="float32", kv_cache_gib=1, seed=1234)
+        # 256 rows a step: every rule's N requests in about as many steps as one's.
+        settings = EngineSettings(dtype="float32", kv_cache_gib=1, seed=1234, max_num_seqs=256)
         async with LocalSpec(target, target, k=2, lookahead=4, settings=settings) as spec:
-            params = sampling_params(3, 1.0, True)
-            outs = await asyncio.gather(*(spec.generate(ids, params) for _ in range(N)))
-            return outs, spec.totals
+            names = [name for name in RULES for _ in range(N)]
+            outs = await asyncio.gather(*(spec.generate(ids, RULES[name].params(3))
+                                          for name in names))
+            return names, outs, spec.totals
 
-    outs, totals = asyncio.run(run())
+    names, outs, totals = asyncio.run(run())
     print(f"\n{totals.draft_tokens} drafted, {totals.accepted_tokens} accepted")
-    samples = [tuple(o) for o in outs]
     # Speculation was really involved: many positions 2-3 came from verified drafts.
-    assert totals.draft_tokens > N // 4, totals
+    assert totals.draft_tokens > len(RULES) * N // 4, totals
     assert 0 < totals.accepted_tokens < totals.draft_tokens, totals
-    p = chi_square_p(samples, truth)
-    assert p > P_THRESHOLD, f"speculative samples do not follow the target (p={p:.2e})"
+    for name, rule in RULES.items():
+        samples = [tuple(o) for n, o in zip(names, outs) if n == name]
+        p = chi_square_p(samples, truths[name])
+        unfiltered = chi_square_p(samples, truth)
+        print(f"{name}: p = {p:.3g} (against the unfiltered truth: {unfiltered:.3g})")
+        assert p > P_THRESHOLD, f"{name}: speculative samples do not follow the target (p={p:.2e})"
+        if rule != PLAIN:  # the filter is visible: the unfiltered truth does not fit
+            assert unfiltered < 1e-6, (name, unfiltered)
