@@ -18,7 +18,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
-def channel_factory(tls) -> Callable[[str], "grpc.aio.Channel"]:  # noqa: F821
+def channel_factory(tls) -> Callable[[str], object]:
     """address -> an asyncio gRPC channel to a draft sink; tls: a
     specserve.tls.TlsFiles for mutual TLS (None: plaintext)."""
     import grpc

@@ -96,3 +96,8 @@ class _Entry:
     @property
     def branch_tokens(self) -> int:
         return self.store.branch_tokens(self.slot)
+
+
+def _name(key: Hashable) -> str:
+    """A key's request id, for messages (keys may be (stream, request id))."""
+    return str(key[-1] if isinstance(key, tuple) and key else key)
