@@ -1,5 +1,6 @@
 """The draft <-> target wire, below both sides: its limits, its call metadata,
-how a client channel to a draft sink is set up, and how a verified batch reads.
+how a client channel to a draft sink is set up, and how the packed batches
+(DraftBatch, VerifiedBatch) are built and read.
 
 The target side (`specserve.target.sink`) and the draft side
 (`specserve.draft.link`) both import from here and never from each other.
@@ -31,6 +32,38 @@ def channel_factory(tls) -> Callable[[str], object]:
     creds = tls_mod.channel_credentials(tls)  # read once: a missing file fails here
     options += tls_mod.channel_options(tls)
     return lambda a: grpc.aio.secure_channel(a, creds, options=options)
+
+
+def pack_verified(verified):
+    """A VerifiedBatch from a book's packed verified tokens
+    (specserve.target.book_entry.Verified)."""
+    from specserve.v1 import spec_pb2
+
+    return spec_pb2.VerifiedBatch(request_ids=verified.keys,
+                                  positions=verified.positions.tolist(),
+                                  counts=verified.counts.tolist(),
+                                  token_ids=verified.tokens.tolist())
+
+
+def pack_drafts(windows: dict):
+    """A DraftBatch from {request id: (position, tokens, [(fork, tokens), ...])}."""
+    from specserve.v1 import spec_pb2
+
+    ids, positions, counts, tokens = [], [], [], []
+    owner, forks, bcounts, btokens = [], [], [], []
+    for i, (rid, (position, toks, branches)) in enumerate(windows.items()):
+        ids.append(rid)
+        positions.append(position)
+        counts.append(len(toks))
+        tokens += toks
+        for fork, bt in branches:
+            owner.append(i)
+            forks.append(fork)
+            bcounts.append(len(bt))
+            btokens += bt
+    return spec_pb2.DraftBatch(request_ids=ids, positions=positions, counts=counts,
+                               token_ids=tokens, branch_of=owner, fork_positions=forks,
+                               branch_counts=bcounts, branch_token_ids=btokens)
 
 
 def unpack_verified(batch) -> list[tuple[str, int, list[int]]]:

@@ -22,28 +22,9 @@ import grpc
 
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 from specserve import wire
-from specserve.wire import DRAFT_NAME_KEY, unpack_verified
+from specserve.wire import DRAFT_NAME_KEY, pack_drafts, unpack_verified
 
 log = logging.getLogger(__name__)
-
-
-def pack_drafts(windows: dict) -> spec_pb2.DraftBatch:
-    """A DraftBatch from {request id: (position, tokens, [(fork, tokens), ...])}."""
-    ids, positions, counts, tokens = [], [], [], []
-    owner, forks, bcounts, btokens = [], [], [], []
-    for i, (rid, (position, toks, branches)) in enumerate(windows.items()):
-        ids.append(rid)
-        positions.append(position)
-        counts.append(len(toks))
-        tokens += toks
-        for fork, bt in branches:
-            owner.append(i)
-            forks.append(fork)
-            bcounts.append(len(bt))
-            btokens += bt
-    return spec_pb2.DraftBatch(request_ids=ids, positions=positions, counts=counts,
-                               token_ids=tokens, branch_of=owner, fork_positions=forks,
-                               branch_counts=bcounts, branch_token_ids=btokens)
 
 
 class SinkLink:

@@ -56,6 +56,20 @@ class Verified:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def by_stream(self) -> dict[Hashable, "Verified"]:
+        """The same updates split by the stream each goes to."""
+        if len(set(self.streams)) <= 1:  # the usual case: one draft replica (or none)
+            return {self.streams[0]: self} if self.keys else {}
+        ends = np.cumsum(self.counts)
+        which: dict[Hashable, list[int]] = {}
+        for i, sid in enumerate(self.streams):
+            which.setdefault(sid, []).append(i)
+        return {sid: Verified([self.keys[i] for i in rows], [sid] * len(rows),
+                              self.positions[rows], self.counts[rows],
+                              np.concatenate([self.tokens[ends[i] - self.counts[i]:ends[i]]
+                                              for i in rows]))
+                for sid, rows in which.items()}
+
     def updates(self) -> list[VerifiedUpdate]:
         out, at = [], 0
         for key, stream, pos, n in zip(self.keys, self.streams, self.positions.tolist(),

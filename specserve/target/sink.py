@@ -46,7 +46,7 @@ from specserve.control import policy
 from specserve.control.stepcost import StepCostFit
 from specserve.target.book import NOT_FOUND, RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
 from specserve.v1 import spec_pb2, spec_pb2_grpc
-from specserve.wire import CHANNEL_OPTIONS, DRAFT_NAME_KEY
+from specserve.wire import CHANNEL_OPTIONS, DRAFT_NAME_KEY, pack_verified
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 self._miss_sent.clear()  # forgotten rows; the next misses remeasure
             names = {streams[sid].name for sid in
                      (self._book.stream_of(key) for _, key in misses) if sid in streams}
-        if len(verified):
-            _send_verified(streams, verified)
+        for sid, part in verified.by_stream().items():  # one batch per stream
+            stream = streams.get(sid)
+            if stream is not None:
+                stream.send(spec_pb2.SinkMessage(verified=pack_verified(part)))
         if misses:
             bound = self.wait_bound(sum(1 for a in active if a), len(misses), k)
             if bound > 0:
@@ -482,33 +484,6 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         if self._server is not None:
             self._server.stop(grace)
             self._server = None
-
-
-def _send_verified(streams: dict, verified) -> None:
-    """One VerifiedBatch per stream for this step's verified tokens."""
-    if len(set(verified.streams)) == 1:  # the usual case: one draft replica
-        groups = {verified.streams[0]: slice(None)}
-    else:
-        order = {}
-        for i, sid in enumerate(verified.streams):
-            order.setdefault(sid, []).append(i)
-        groups = order
-    ends = np.cumsum(verified.counts)
-    starts = ends - verified.counts
-    for sid, which in groups.items():
-        stream = streams.get(sid)
-        if stream is None:
-            continue
-        if isinstance(which, slice):
-            keys, pos, counts, toks = (verified.keys, verified.positions, verified.counts,
-                                       verified.tokens)
-        else:
-            keys = [verified.keys[i] for i in which]
-            pos, counts = verified.positions[which], verified.counts[which]
-            toks = np.concatenate([verified.tokens[starts[i]:ends[i]] for i in which])
-        stream.send(spec_pb2.SinkMessage(verified=spec_pb2.VerifiedBatch(
-            request_ids=keys, positions=pos.tolist(), counts=counts.tolist(),
-            token_ids=toks.tolist())))
 
 
 def _ewma(old: float | None, new: float) -> float:

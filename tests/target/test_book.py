@@ -556,3 +556,18 @@ def test_a_malformed_batch_is_refused_whole_and_bad_entries_alone():
     assert [(k, err.code) for k, err in errors] == [(("s", "zz"), NOT_FOUND),
                                                     (("s", "b"), INVALID_ARGUMENT)]
     assert b.sequence(("s", "a"))[0] == [1, 2, 5, 6] and b.sequence(("s", "b"))[0] == [1, 2]
+
+
+def test_verified_tokens_split_by_the_stream_they_go_to():
+    b = book()
+    b.open((1, "a"), [1, 2])
+    b.open((2, "b"), [3, 4])
+    b.open((1, "c"), [5, 6])
+    tok = np.array([[1, 2, 7, 8], [3, 4, 9, 0], [5, 6, 10, 11]])
+    _, verified = b.propose_rows(tok, np.array([4, 3, 4]), K, K + 1,
+                                 keys=[(1, "a"), (2, "b"), (1, "c")])
+    parts = verified.by_stream()
+    assert sorted(parts) == [1, 2]
+    assert [(u.key, u.position, u.token_ids) for u in parts[1].updates()] == [
+        ((1, "a"), 2, [7, 8]), ((1, "c"), 2, [10, 11])]
+    assert [(u.key, u.token_ids) for u in parts[2].updates()] == [((2, "b"), [9])]
