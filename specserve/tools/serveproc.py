@@ -112,7 +112,8 @@ class ServeProcess:
         self.left_running: list[int] = []  # pids stop() had to kill
 
     def tail(self, n: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it; the file stays readable
+            self._log.flush()
         return self.logfile.read_text()[-n:]
 
     def remember_children(self) -> None:
@@ -125,9 +126,10 @@ class ServeProcess:
         except psutil.NoSuchProcess:
             pass
 
-    def wait_ready(self, model: str, timeout: float = 600) -> None:
+    def wait_ready(self, model: str, timeout: float = 600,
+                   headers: dict | None = None) -> None:
         """Until serve says it is serving (every pool up) and a 1-token
-        completion of `model` succeeds."""
+        completion of `model` succeeds (sent with `headers`, e.g. an API key)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -136,7 +138,7 @@ class ServeProcess:
                 try:
                     status, _ = post(f"{self.url}/v1/completions",
                                      {"model": model, "prompt": "hi", "max_tokens": 1},
-                                     timeout=30)
+                                     headers, timeout=30)
                     if status == 200:
                         self.remember_children()
                         return
