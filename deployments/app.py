@@ -59,6 +59,9 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
         placement_group_bundles=place.bundles,
         placement_group_strategy=place.strategy,
         max_ongoing_requests=t.max_ongoing_requests,
+        # Requests a router replica holds for the target pool beyond what its
+        # replicas take; past it the router answers 429 (deployments/router.py).
+        max_queued_requests=cfg.quotas.max_queued_requests or -1,
         health_check_period_s=10,
         **_scaling(t.replicas, "target_policy"),
     ).bind(config, drafts)

@@ -15,9 +15,13 @@ The request path, numbered as below in `_forward`:
   1. read the body (at most http.max_body_bytes; a larger one is drained, up
      to a bound, and answered 413 so the client can read the answer);
   2. choose the draft pool and K (generation routes only);
-  3. call a target replica (retried once if the replica died before answering);
+  3. call a target replica (retried once if the replica died before answering;
+     a 429 when the target pool's queue is full, quotas.max_queued_requests);
   4. pass the response back; the records after the body go to the ops views;
      the in-flight slot is released once, however the response ends.
+Steps 3 and 4 end by quotas.request_timeout_s: a 504, or an error event once
+a stream has started; the target call is cancelled, so its engine request is
+aborted.
 """
 
 from __future__ import annotations
@@ -76,6 +80,26 @@ def _replica_failed(e: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
     return isinstance(e, RayActorError) or _engine_dead(e)
+
+
+def _queue_full(e: BaseException) -> ApiError:
+    return ApiError(429, f"the target pool is busy and its queue is full ({e}); retry "
+                         "after a moment (quotas.max_queued_requests)",
+                    type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+def _timed_out(timeout_s: float) -> ApiError:
+    return ApiError(504, f"the request took longer than {timeout_s:g} s and was stopped "
+                         "(quotas.request_timeout_s)", type="server_error", code="timeout")
+
+
+async def _next(stream, deadline: float | None):
+    """The stream's next item; TimeoutError once the loop's clock passes
+    `deadline` (None: no limit), StopAsyncIteration at its end."""
+    if deadline is None:
+        return await stream.__anext__()
+    left = max(deadline - asyncio.get_running_loop().time(), 0.0)
+    return await asyncio.wait_for(stream.__anext__(), left)
 
 
 def _target_failed(e: BaseException) -> ApiError:
@@ -161,6 +185,7 @@ class Router:
         self.target = target
         self.api_key = self.config.http.api_key_value()  # api_key_env: from a Secret
         self.max_body = self.config.http.max_body_bytes
+        self.timeout_s = self.config.quotas.request_timeout_s
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
         self.choice = DraftChoice(self.config, target, draft_names, self.stats)
         t = self.config.target
@@ -190,8 +215,10 @@ class Router:
             raise ApiError(404, f"no route for {request.method} {request.url.path}",
                            code="not_found")
         except ApiError as e:
-            headers = {"Connection": "close"} if e.status == 413 else None
-            return _json(e.body(), e.status, headers)
+            headers = dict(e.headers or {})
+            if e.status == 413:
+                headers["Connection"] = "close"
+            return _json(e.body(), e.status, headers or None)
         except Exception as e:
             if _replica_failed(e):
                 log.warning("target replica failed: %s", e)
@@ -245,6 +272,8 @@ class Router:
         return bytes(body)
 
     async def _forward(self, request, generates: bool):
+        timeout = self.timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         body = await self._read_body(request)  # 1.
         choice = None
         pool, k = None, 0
@@ -256,19 +285,27 @@ class Router:
         release = _Once(lambda: self.choice.release(pool))
         try:
             stream, start = await self._call_target(  # 3.
-                request.method, request.url.path, request.url.query, headers, body, pool, k)
+                request.method, request.url.path, request.url.query, headers, body, pool, k,
+                deadline)
+        except asyncio.TimeoutError:
+            release()
+            raise _timed_out(timeout) from None
         except BaseException:
             release()
             raise
-        return await self._respond(stream, start, release)  # 4.
+        return await self._respond(stream, start, release, deadline)  # 4.
 
-    async def _call_target(self, method, path, query, headers, body, pool, k):
+    async def _call_target(self, method, path, query, headers, body, pool, k, deadline):
+        from ray.serve.exceptions import BackPressureError
+
         for attempt in range(1, TARGET_ATTEMPTS + 1):
             stream = self.target.options(stream=True).http.remote(
                 method, path, query, headers, body, pool, k)
             try:
-                return stream, await stream.__anext__()
+                return stream, await _next(stream, deadline)
             except Exception as e:  # nothing was sent to the client yet
+                if isinstance(e, BackPressureError):  # never assigned (and cancel()
+                    raise _queue_full(e) from None    # would raise it again)
                 stream.cancel()
                 if not _replica_failed(e) or attempt == TARGET_ATTEMPTS:
                     raise
@@ -285,7 +322,7 @@ class Router:
             return True
         return False
 
-    async def _respond(self, stream, start: dict, release):
+    async def _respond(self, stream, start: dict, release, deadline: float | None):
         status = start["status"]
         headers = {key: v for key, v in start["headers"]
                    if key.lower() not in _HOP_RESPONSE_HEADERS}
@@ -295,9 +332,16 @@ class Router:
 
             try:
                 body = bytearray()
-                async for item in stream:
+                while True:
+                    try:
+                        item = await _next(stream, deadline)
+                    except StopAsyncIteration:
+                        break
                     if not self._take_records(item):
                         body += item
+            except asyncio.TimeoutError:
+                err = _timed_out(self.timeout_s)
+                return _json(err.body(), err.status)
             finally:
                 stream.cancel()
                 release()
@@ -312,12 +356,17 @@ class Router:
 
         async def events():
             try:
-                async for item in stream:
+                while True:
+                    try:
+                        item = await _next(stream, deadline)
+                    except StopAsyncIteration:
+                        break
                     if not self._take_records(item):
                         yield item
-            except Exception as e:  # the target failed mid-stream: say so, then end
-                log.warning("stream failed: %s", e)
-                err = (_target_failed(e) if _replica_failed(e) else
+            except Exception as e:  # the target failed or took too long: say so, then end
+                log.warning("stream failed: %r", e)
+                err = (_timed_out(self.timeout_s) if isinstance(e, asyncio.TimeoutError) else
+                       _target_failed(e) if _replica_failed(e) else
                        ApiError(500, f"generation failed: {e}", type="server_error"))
                 yield ("data: " + json.dumps(err.body()) + "\n\n").encode()
                 yield b"data: [DONE]\n\n"

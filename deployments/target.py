@@ -111,10 +111,11 @@ class TargetServer:
         self.sink_address = self.target.sink_address
         from vllm.platforms import current_platform
 
+        self.quotas = self.config.quotas
         self.client = DraftingEngine(
             self.engine, self._open_draft, self.k, replica_name(),
             live=lambda: (self.totals.running, self.totals.waiting),
-            on_cpu=current_platform.is_cpu())
+            on_cpu=current_platform.is_cpu(), quotas=lambda: self.quotas)
         self._app = None  # vLLM's OpenAI app, built on first use (it needs the loop)
         self._app_lock: asyncio.Lock | None = None
         threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
@@ -175,7 +176,8 @@ class TargetServer:
                 if self._app is None:
                     t = self.config.target
                     self._app = await openai_app.build(self.client, self.model_dir,
-                                                       t.served_name(), t.tool_call_parser)
+                                                       t.served_name(), t.tool_call_parser,
+                                                       quotas=lambda: self.quotas)
         return self._app
 
     def _open_draft(self, pool: str, request_id: str, prompt_ids: list[int],

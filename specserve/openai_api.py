@@ -1,4 +1,5 @@
-"""The OpenAI error shape of the router's own answers (401, 404, 413, 503, 500),
+"""The OpenAI error shape of the router's own answers (401, 404, 413, 429, 503,
+504, 500),
 and `TargetUnavailable`, which a target replica raises to the router when its
 engine is dead (the router answers 503 or retries, as for a dead replica).
 
@@ -17,8 +18,11 @@ class ApiError(Exception):
     """An error to send to the client as an OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        """headers: response headers that go with it (e.g. Retry-After)."""
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type

@@ -5,6 +5,7 @@
 - `loading`: YAML files in, `ConfigError` lines ("field.path: problem") out;
 - `speculation`: K, W, branches, the bounded wait, the K controller's thresholds
   (`kcontrol`), the W > K rule;
+- `quotas`: per-request limits, the target queue, the request timeout;
 - `naming`: the draft pool name rule and names made from model folders;
 - `fit`: what the deployments ask of a local cluster, checked before Ray starts.
 
@@ -13,6 +14,7 @@ Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
+from specserve.config.quotas import QuotaConfig
 from specserve.config.speculation import (
     MAX_SPECULATIVE_TOKENS,
     SpeculationConfig,
@@ -35,6 +37,6 @@ from specserve.config.schema import (
 __all__ = [
     "DEFAULT_CONFIG_PATH", "DRAFT_NAME_MAX_LEN", "DRAFT_NAME_RE", "MAX_SPECULATIVE_TOKENS",
     "MODEL_BOUND_ENGINE_KEYS", "AppConfig", "Autoscaling", "ConfigError", "DraftConfig",
-    "EngineConfig", "GrpcTlsConfig", "HttpConfig", "RayConfig", "Resources",
+    "EngineConfig", "GrpcTlsConfig", "HttpConfig", "QuotaConfig", "RayConfig", "Resources",
     "SpeculationConfig", "TargetConfig", "lookahead_problem", "lookahead_tokens",
 ]

@@ -1,7 +1,7 @@
 """The schema of a specserve deployment: one pydantic model, one source of truth.
 
 Owns `AppConfig` and its parts (the target pool, the draft pools, speculation
-settings K and W, the HTTP ingress, how to reach Ray, gRPC TLS). Every field
+settings K and W, the HTTP ingress, the quotas, how to reach Ray, gRPC TLS). Every field
 carries a `description=`: that text is the reference documentation of every key
 in `cluster/*.yaml` and of the Helm values, which are generated from this model.
 Owns the cross-field checks that must fail at load time, before anything starts
@@ -32,6 +32,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from specserve.config.base import _require_non_empty, _Strict
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml, validation_error
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
+from specserve.config.quotas import QuotaConfig
 from specserve.config.speculation import SpeculationConfig
 from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
 
@@ -368,6 +369,10 @@ class AppConfig(_Strict):
         default_factory=SpeculationConfig, description="K and W.")
     http: HttpConfig = Field(
         default_factory=HttpConfig, description="HTTP ingress.")
+    quotas: QuotaConfig = Field(
+        default_factory=QuotaConfig,
+        description="Per-request limits (n, prompt and completion tokens), the queue in "
+                    "front of the target pool, the request timeout.")
     ray: RayConfig = Field(
         default_factory=RayConfig, description="Ray cluster.")
     grpc_tls: GrpcTlsConfig | None = Field(

@@ -6,7 +6,8 @@ around its `AsyncLLM`. Everything is the engine's but `generate`, which sees
 each engine request after vLLM's own tokenization and chat templating and
 
 1. refuses (VLLMValidationError: an HTTP 400 naming the field) what the engine
-   here cannot run (see `refusal`);
+   here cannot run (see `refusal`) and a prompt over the quotas
+   (`specserve.target.quotas`), and bounds max_tokens by them;
 2. registers each sequence of the request (n of them for `n > 1`) with the
    target's draft sink (`specserve.target.worker_hook`: id, prompt, K, end
    and a fresh secret ticket) and, once registered, opens one draft stream
@@ -37,6 +38,8 @@ from typing import Any, Protocol
 
 from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
+from specserve.config.quotas import QuotaConfig
+from specserve.target.quotas import completion_tokens, prompt_problem
 from specserve.target.worker_hook import sequence_id
 
 log = logging.getLogger(__name__)
@@ -90,10 +93,13 @@ def prompt_token_ids(prompt: Any) -> list[int] | None:
 
 class DraftingEngine:
     def __init__(self, engine, open_draft: OpenDraft, k_max: int, target_replica: str,
-                 live: Callable[[], tuple[int, int]] = lambda: (0, 0), on_cpu: bool = False):
+                 live: Callable[[], tuple[int, int]] = lambda: (0, 0), on_cpu: bool = False,
+                 quotas: Callable[[], QuotaConfig] = QuotaConfig):
         """engine: the AsyncLLM; k_max: the engine's num_speculative_tokens (0:
-        no speculation); live(): the engine's (running, waiting) now."""
+        no speculation); live(): the engine's (running, waiting) now;
+        quotas(): the quotas now (they may change while the engine runs)."""
         self._engine = engine
+        self._quotas = quotas
         self._open_draft = open_draft
         self.k_max = k_max
         self.target_replica = target_replica
@@ -107,12 +113,15 @@ class DraftingEngine:
     def generate(self, prompt, sampling_params, request_id: str, **kwargs):
         # 1. Refuse here, when vLLM's serving layer calls generate(): before any
         #    response (streamed or not) has started, so the client gets a 400.
-        problem = refusal(sampling_params, self._on_cpu)
+        quotas = self._quotas()
+        problem = refusal(sampling_params, self._on_cpu) or prompt_problem(
+            len(prompt_token_ids(prompt) or ()), quotas)
         if problem is not None:
             from vllm.exceptions import VLLMValidationError
 
             field, why = problem
             raise VLLMValidationError(why, parameter=field)
+        sampling_params.max_tokens = completion_tokens(sampling_params.max_tokens, quotas)
         return self._generate(prompt, sampling_params, request_id, kwargs)
 
     async def _generate(self, prompt, params, request_id: str, kwargs: dict):

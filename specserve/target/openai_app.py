@@ -3,9 +3,10 @@
 Owns: building vLLM's FastAPI app (`vllm.entrypoints.launchers.app.build_app`
 and `init_app_state`, as `vllm serve` and Ray Serve LLM's VLLMEngine do) on a
 given engine client, with the engine's own arguments and the tool-call
-parser of specserve's config; `RefuseUnknownFields`, the 400 for request
-fields vLLM's request classes lack (vLLM's server drops them with a debug log
-line; OpenAI's API answers 400); `config_hint`, which names specserve's config
+parser of specserve's config; `RequestGate`, the 400 for request fields
+vLLM's request classes lack (vLLM's server drops them with a debug log line;
+OpenAI's API answers 400) and for bodies over the quotas
+(`specserve.target.quotas.body_problem`: n, best_of, max_tokens); `config_hint`, which names specserve's config
 where vLLM's error messages name `vllm serve` flags; and `call`, which runs
 one HTTP request through an ASGI app without a socket and yields the response
 as it is produced (start, then body chunks).
@@ -26,14 +27,15 @@ from collections.abc import AsyncIterator
 
 
 async def build(engine_client, model: str, served_name: str,
-                tool_call_parser: str | None = None):
+                tool_call_parser: str | None = None, quotas=None):
     """vLLM's OpenAI app (completions, chat, responses, tokenize, models, ...)
     for the model folder `model`, served as `served_name`, on `engine_client`
     (whose own config is what the serving classes read: context, tokenizer,
     generation defaults). tool_call_parser: vLLM's parser of the model's tool
     calls (`vllm serve --enable-auto-tool-choice --tool-call-parser NAME`);
     None: a chat request with tools and a tool_choice other than "none" gets
-    vLLM's 400 (see `config_hint`)."""
+    vLLM's 400 (see `config_hint`). quotas: a callable returning the
+    QuotaConfig now (it may change while the app runs); None: no quotas."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -54,7 +56,7 @@ async def build(engine_client, model: str, served_name: str,
     import types
 
     app.state.server = types.SimpleNamespace()
-    return RefuseUnknownFields(app, request_fields(app))
+    return RequestGate(app, request_fields(app), quotas)
 
 
 def request_fields(app) -> dict[str, frozenset[str]]:
@@ -104,15 +106,18 @@ def unknown_fields_error(fields: list[str]) -> str:
     return message
 
 
-class RefuseUnknownFields:
+class RequestGate:
     """ASGI wrapper of vLLM's app: a POST whose JSON object body has a key its
     route's request class lacks gets vLLM's 400 error body naming the keys,
-    instead of vLLM's answer to the request without them. Anything else
-    (other routes, bodies that are not a JSON object) goes to vLLM as it came."""
+    instead of vLLM's answer to the request without them; one over the
+    quotas (`quotas()`, see `specserve.target.quotas.body_problem`) gets a
+    400 naming the field and the limit. Anything else (other routes, bodies
+    that are not a JSON object) goes to vLLM as it came."""
 
-    def __init__(self, app, fields: dict[str, frozenset[str]]):
+    def __init__(self, app, fields: dict[str, frozenset[str]], quotas=None):
         self.app = app
         self.fields = fields  # request_fields(app)
+        self.quotas = quotas  # () -> QuotaConfig, or None
 
     async def __call__(self, scope, receive, send):
         known = (self.fields.get(scope.get("path"))
@@ -132,14 +137,15 @@ class RefuseUnknownFields:
             parsed = json.loads(body)
         except (ValueError, RecursionError):  # vLLM's parser answers it
             parsed = None
-        fields = unknown_fields(known, parsed) if isinstance(parsed, dict) else []
-        if fields:
+        problem = self._problem(known, parsed) if isinstance(parsed, dict) else None
+        if problem is not None:
             from starlette.responses import JSONResponse
             from vllm.entrypoints.serve.exception_handling.error_response import (
                 create_error_response,
             )
 
-            error = create_error_response(unknown_fields_error(fields), param=fields[0])
+            field, message = problem
+            error = create_error_response(message, param=field)
             return await JSONResponse(error.model_dump(), status_code=400)(scope, receive, send)
         replay = iter(messages)
 
@@ -147,6 +153,17 @@ class RefuseUnknownFields:
             return next(replay, None) or await receive()
 
         return await self.app(scope, receive_again, send)
+
+    def _problem(self, known: frozenset[str], body: dict) -> tuple[str, str] | None:
+        """(field, message) of the 400 for `body`, or None."""
+        fields = unknown_fields(known, body)
+        if fields:
+            return fields[0], unknown_fields_error(fields)
+        if self.quotas is not None:
+            from specserve.target.quotas import body_problem
+
+            return body_problem(body, self.quotas())
+        return None
 
 
 def check_tool_call_parser(name: str | None) -> None:

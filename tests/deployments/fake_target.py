@@ -28,10 +28,12 @@ class FakeRemote:
 class FakeStream:
     """Stands in for a streaming DeploymentResponseGenerator."""
 
-    def __init__(self, items, error=None, then=None):
+    def __init__(self, items, error=None, then=None, hang_after=None):
         self.items = list(items)
         self.error = error  # raised instead of the first item
         self.then = then  # raised after the items (a replica failing mid-answer)
+        self.hang_after = hang_after  # this many items, then none ever again (a slow engine)
+        self.given = 0
         self.cancelled = 0
 
     def __aiter__(self):
@@ -39,6 +41,9 @@ class FakeStream:
 
     async def __anext__(self):
         await asyncio.sleep(0)
+        if self.hang_after is not None and self.given >= self.hang_after:
+            await asyncio.sleep(3600)
+        self.given += 1
         if self.error is not None:
             raise self.error
         if not self.items:

@@ -22,9 +22,10 @@ CONFIG = {"target": {"model": "/nonexistent", "name": "tiny"},
           "http": {"max_body_bytes": 1000}}
 
 
-def router(target, **http):
+def router(target, quotas=None, **http):
     config = json.loads(json.dumps(CONFIG))
     config["http"].update(http)
+    config["quotas"] = quotas or {}
     return Router(config, target, ["same"], serve_metrics=False)
 
 
@@ -279,5 +280,54 @@ def test_an_error_body_not_in_openais_shape_is_rewrapped():
             "There was an error parsing the body")
         status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
         assert got == ok  # vLLM's own error bodies pass unchanged
+
+    asyncio.run(go())
+
+
+def test_a_full_target_queue_is_a_429_with_retry_after_and_the_next_request_is_served():
+    from ray.serve.exceptions import BackPressureError
+
+    async def go():
+        full = FakeStream([], error=BackPressureError(num_queued_requests=2,
+                                                      max_queued_requests=2))
+        target = FakeTarget([full, FakeStream(json_answer(b'{"ok": 1}'))])
+        r = router(target)
+        status, headers, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        err = json.loads(got)["error"]
+        assert status == 429 and headers["retry-after"] == "1"
+        assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        assert "quotas.max_queued_requests" in err["message"]
+        assert len(target.calls) == 1  # not retried
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert (status, got) == (200, b'{"ok": 1}')
+        assert r.choice.inflight == {"same": 0}
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("hang_after", [0, 1])  # before the answer starts, or after
+def test_a_json_request_past_the_timeout_gets_504_and_its_target_call_is_cancelled(hang_after):
+    async def go():
+        slow = FakeStream(json_answer(b'{"choices": []}'), hang_after=hang_after)
+        r = router(FakeTarget([slow]), quotas={"request_timeout_s": 0.2})
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        err = json.loads(got)["error"]
+        assert status == 504 and err["code"] == "timeout", got
+        assert "quotas.request_timeout_s" in err["message"]
+        assert slow.cancelled >= 1 and r.choice.inflight == {"same": 0}
+
+    asyncio.run(go())
+
+
+def test_a_stream_past_the_timeout_ends_with_an_error_event_and_is_cancelled():
+    async def go():
+        first = b'data: {"a": 1}\n\n'
+        slow = FakeStream(sse_answer([first, b"data: [DONE]\n\n"]), hang_after=2)
+        r = router(FakeTarget([slow]), quotas={"request_timeout_s": 0.2})
+        status, _, got = await answer(r, request("POST", "/v1/completions", b"{}"))
+        assert status == 200 and got.startswith(first) and got.endswith(b"data: [DONE]\n\n")
+        event = json.loads(got[len(first):].split(b"\n\n")[0][len(b"data: "):])
+        assert event["error"]["code"] == "timeout"
+        assert slow.cancelled >= 1 and r.choice.inflight == {"same": 0}
 
     asyncio.run(go())

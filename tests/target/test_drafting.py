@@ -324,7 +324,7 @@ def test_unknown_fields_get_vllms_400_and_the_rest_reaches_vllms_routes():
         seen.append(body)
         return body
 
-    app = openai_app.RefuseUnknownFields(inner, openai_app.request_fields(inner))
+    app = openai_app.RequestGate(inner, openai_app.request_fields(inner))
     assert "/v1/completions" in app.fields and "/echo" not in app.fields  # (no class)
 
     async def post(path, body: bytes):
