@@ -197,6 +197,11 @@ def config_hint(body: bytes) -> bytes:
     return text.encode()
 
 
+# How long an app told that the client went away may take to end before its
+# task is cancelled (vLLM's handlers abort their engine requests at once).
+DISCONNECT_GRACE_S = 5.0
+
+
 def _scope(method: str, path: str, query: str, headers: list[tuple[str, str]]) -> dict:
     return {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -261,7 +266,14 @@ async def call(app, method: str, path: str, query: str, headers: list[tuple[str,
                     yield bytes(chunk)
         task.result()  # an error the app did not turn into a response
     finally:
+        # The app is told first: vLLM's non-streaming handlers (with_cancellation)
+        # run in a task of their own, which a cancelled app task leaves running
+        # (and its engine request with it); on the disconnect they cancel it,
+        # so the engine aborts the request. Cancelled only if it does not end.
         gone.set()
+        if not task.done():
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(task), DISCONNECT_GRACE_S)
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -6,6 +6,7 @@ specserve/target/openai_app.py the in-process ASGI call, the tool-call parser
 check and the config hints in vLLM's error messages."""
 
 import asyncio
+import contextlib
 import contextvars
 from types import SimpleNamespace
 
@@ -219,6 +220,44 @@ def test_call_runs_an_asgi_app_in_process_and_stops_it_when_closed():
         assert await anext(calls) == b"."
         await calls.aclose()  # the client went away
         await asyncio.sleep(0.01)
+        assert stopped == [True]
+
+    asyncio.run(go())
+
+
+def test_a_closed_call_stops_a_handler_that_runs_in_its_own_task():
+    """vLLM's non-streaming handlers run under with_cancellation, in a task of
+    their own that only a disconnect cancels (cancelling the app's task
+    leaves it, and its engine request, running)."""
+    from fastapi import FastAPI, Request
+    from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+
+    started, stopped = asyncio.Event(), []
+
+    class Serving:
+        @with_cancellation
+        async def handle(self, raw_request: Request):
+            started.set()
+            try:
+                await asyncio.sleep(3600)  # generating
+            finally:
+                stopped.append(True)
+
+    serving = Serving()
+    app = FastAPI()
+
+    @app.post("/x")
+    async def x(raw_request: Request):
+        return await serving.handle(raw_request)
+
+    async def go():
+        calls = openai_app.call(app, "POST", "/x", "", [], b"{}")
+        pending = asyncio.ensure_future(anext(calls))
+        await started.wait()
+        pending.cancel()  # the client went away (Serve cancels the call)
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        await calls.aclose()
         assert stopped == [True]
 
     asyncio.run(go())
