@@ -32,18 +32,24 @@ class DraftChoice:
         self.target = target
         self.draft_names = list(draft_names)
         self.stats = stats
+        self.inflight: dict[str | None, int] = {}
+        self.controller = KController(0, {})
+        self.configure(config)
+        # The target's measured step cost (from spec_totals), refreshed in the
+        # background at most every COST_REFRESH_S: no remote call per request.
+        self._cost: tuple[float, dict | None] = (float("-inf"), None)
+        self._cost_task: asyncio.Task | None = None
+
+    def configure(self, config: AppConfig) -> None:
+        """Take the settings that may change while the app runs (K, the K
+        controller's thresholds, the pools' replica bounds)."""
         self.k_max = config.speculation.num_speculative_tokens
         t = config.target
         self.capacity = max(t.replicas.max_replicas, 1) * t.engine.max_num_seqs
         self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in config.drafts}
         self.target_replicas = max(t.replicas.max_replicas, 1)
-        self.inflight: dict[str | None, int] = {}
-        self.controller = KController(self.k_max, self.replicas,
-                                      config.speculation.k_control.thresholds())
-        # The target's measured step cost (from spec_totals), refreshed in the
-        # background at most every COST_REFRESH_S: no remote call per request.
-        self._cost: tuple[float, dict | None] = (float("-inf"), None)
-        self._cost_task: asyncio.Task | None = None
+        self.controller.configure(self.k_max, self.replicas,
+                                  config.speculation.k_control.thresholds())
 
     # ---- requests in flight ---------------------------------------------------
 

@@ -139,6 +139,14 @@ class _Once:
             fn()
 
 
+def _bounds(config: AppConfig) -> dict[str, tuple[int, int]]:
+    """(min, max) replicas of every pool, for the ops views."""
+    t = config.target
+    return {"target": (t.replicas.min_replicas, t.replicas.max_replicas),
+            **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
+               for d in config.drafts}}
+
+
 def _json(body: dict, status: int = 200, headers: dict | None = None):
     from starlette.responses import JSONResponse
 
@@ -188,12 +196,21 @@ class Router:
         self.timeout_s = self.config.quotas.request_timeout_s
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
         self.choice = DraftChoice(self.config, target, draft_names, self.stats)
-        t = self.config.target
-        bounds = {"target": (t.replicas.min_replicas, t.replicas.max_replicas),
-                  **{d.name: (d.replicas.min_replicas, d.replicas.max_replicas)
-                     for d in self.config.drafts}}
-        self.ops = OpsViews(self.stats, self.choice, target, bounds,
+        self.ops = OpsViews(self.stats, self.choice, target, _bounds(self.config),
                             metrics=ServeMetrics() if serve_metrics else None)
+
+    def reconfigure(self, live: dict) -> None:
+        """The live settings (`specserve.config.live`: K, the K controller's
+        thresholds, quotas, replica bounds), from Serve's user_config: at start
+        and whenever the Serve config changes them. What was measured is kept."""
+        from specserve.config.live import with_live
+
+        self.config = with_live(self.config, live)
+        self.timeout_s = self.config.quotas.request_timeout_s
+        self.stats.k = self.config.speculation.num_speculative_tokens
+        self.choice.configure(self.config)
+        self.ops.bounds = _bounds(self.config)
+        log.info("router settings: K=%d, request timeout %s s", self.stats.k, self.timeout_s)
 
     async def __call__(self, request):
         try:

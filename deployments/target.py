@@ -85,8 +85,10 @@ class TargetServer:
         logs.to_stderr("target")
         t = self.config.target
         self.drafts = dict(drafts or {})
-        self.k = self.config.speculation.num_speculative_tokens if self.drafts else 0
-        self.lookahead = self.config.lookahead_tokens()
+        # The engine's K ceiling; the K in use (and W, when it follows K) may
+        # change below it while the engine runs (`reconfigure`).
+        engine_k = self.config.speculation.engine_k() if self.drafts else 0
+        self._set_live(self.config)
         self.model_dir = t.model or str(ensure_default_model())
         openai_app.check_tool_call_parser(t.tool_call_parser)
         os.environ.update(t.resources.env)
@@ -95,7 +97,7 @@ class TargetServer:
         # TP workers on the bundles of this replica (specserve.placement).
         executor = target_placement(t).executor
         self.target = TargetEngine.start(
-            self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=self.k,
+            self.model_dir, settings_from(t.engine), tp=t.tensor_parallel_size, k=engine_k,
             sink_bind=f"0.0.0.0:{t.sink_port}", sink_host=_node_ip(),
             tls=TlsFiles.from_config(self.config.grpc_tls), cpus=target_cpus,
             max_wait_ms=self.config.speculation.max_wait_ms,
@@ -111,16 +113,31 @@ class TargetServer:
         self.sink_address = self.target.sink_address
         from vllm.platforms import current_platform
 
-        self.quotas = self.config.quotas
         self.client = DraftingEngine(
-            self.engine, self._open_draft, self.k, replica_name(),
+            self.engine, self._open_draft, engine_k, replica_name(),
             live=lambda: (self.totals.running, self.totals.waiting),
             on_cpu=current_platform.is_cpu(), quotas=lambda: self.quotas)
         self._app = None  # vLLM's OpenAI app, built on first use (it needs the loop)
         self._app_lock: asyncio.Lock | None = None
         threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
-        log.info("target %s ready (TP=%d, K=%d, sink %s)", self.model_dir,
-                 t.tensor_parallel_size, self.k, self.sink_address)
+        log.info("target %s ready (TP=%d, K=%d of at most %d, sink %s)", self.model_dir,
+                 t.tensor_parallel_size, self.k, engine_k, self.sink_address)
+
+    def reconfigure(self, live: dict) -> None:
+        """The live settings (`specserve.config.live`: K within the engine's
+        ceiling, quotas, ...), from Serve's user_config: at start and whenever
+        the Serve config changes them. The engine keeps running."""
+        from specserve.config.live import with_live
+
+        self.config = with_live(self.config, live)
+        self._set_live(self.config)
+        log.info("target settings: K=%d, W=%d, quotas %s", self.k, self.lookahead,
+                 self.quotas.model_dump())
+
+    def _set_live(self, config: AppConfig) -> None:
+        self.k = config.speculation.num_speculative_tokens if self.drafts else 0
+        self.lookahead = config.lookahead_tokens()
+        self.quotas = config.quotas
 
     async def http(self, method: str, path: str, query: str, headers: list, body: bytes,
                    draft: str | None = None, k: int = 0):

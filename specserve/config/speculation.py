@@ -41,7 +41,14 @@ class SpeculationConfig(_Strict):
     num_speculative_tokens: int = Field(
         4, ge=0, le=MAX_SPECULATIVE_TOKENS,
         description="K: drafted tokens the target verifies per step. 0 runs target-only "
-                    "(only allowed without drafts).")
+                    "(only allowed without drafts). Changes on a running app without "
+                    "restarting engines while it stays within max_speculative_tokens.")
+    max_speculative_tokens: int | None = Field(
+        None, ge=0, le=MAX_SPECULATIVE_TOKENS,
+        description="The target engine's K ceiling (vLLM's num_speculative_tokens), fixed "
+                    "when the engine starts: K may change on the running app up to it; past "
+                    "it, or a change of the ceiling, restarts the targets. Null: K (so any "
+                    "change of K restarts them). At least K; W must exceed it.")
     lookahead: int | None = Field(
         None, ge=1,
         description="W: how many tokens past the last verified position a draft may run; "
@@ -87,10 +94,24 @@ class SpeculationConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self):
-        problem = lookahead_problem(self.num_speculative_tokens, self.lookahead)
+        if self.max_speculative_tokens is not None \
+                and self.max_speculative_tokens < self.num_speculative_tokens:
+            raise ValueError(f"max_speculative_tokens ({self.max_speculative_tokens}) must be at "
+                             f"least num_speculative_tokens ({self.num_speculative_tokens}); "
+                             "raise it (the targets restart) or lower K")
+        # Every K up to the engine's ceiling must leave W > K.
+        k_name = ("num_speculative_tokens" if self.max_speculative_tokens is None
+                  else "max_speculative_tokens")
+        problem = lookahead_problem(self.engine_k(), self.lookahead, k_name=k_name)
         if problem:
             raise ValueError(problem)
         return self
+
+    def engine_k(self) -> int:
+        """The target engine's K ceiling (max_speculative_tokens, or K)."""
+        if self.max_speculative_tokens is None:
+            return self.num_speculative_tokens
+        return self.max_speculative_tokens
 
     def lookahead_tokens(self) -> int:
         """The effective W."""

@@ -40,6 +40,15 @@ class KController:
         self.probes: dict[str, int] = {name: 0 for name in self.pools}
         self.decisions: collections.Counter = collections.Counter()
 
+    def configure(self, k_max: int, pools: dict[str, int],
+                  thresholds: policy.Thresholds) -> None:
+        """New settings while running (the live config): K, replicas per pool,
+        thresholds. What was measured and the probe spacing are kept."""
+        self.k_max, self.pools, self.thresholds = k_max, dict(pools), thresholds
+        for name in self.pools:
+            self.idle.setdefault(name, 0)
+            self.probes.setdefault(name, 0)
+
     def choose(self, figures: dict[str, Figures], inflight: dict[str | None, int], load: float,
                cost: policy.StepCost | None = None, rows: float = 1.0) -> policy.Choice:
         """Pool and K for the next request.

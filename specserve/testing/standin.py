@@ -120,6 +120,9 @@ class StandInTarget:
                        "actor": _where(), "workers": got["workers"]}
         _write(self.name.replace("#", "_"), self.record)
 
+    def reconfigure(self, live: dict) -> None:
+        """As TargetServer's (the builder gives both the live settings)."""
+
     def placement(self) -> dict:
         return self.record
 
