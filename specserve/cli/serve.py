@@ -4,7 +4,11 @@ Owns what is checked before Ray starts (the config and its overrides, model
 folders, tokenizers, the tool-call parser, each engine's max_model_len against its model, and on a
 local cluster whether the deployments fit its CPUs) and waiting for the app to
 run, saying which deployment waits for which resources and what each node has
-free. The app itself is `deployments.app.build_app`; the checks are
+free. The app is deployed from its Serve config (`deployments.app.serve_app`,
+as `serve deploy` and KubeRay deploy it); on SIGHUP the config file is read
+again and applied: a change of live settings only (K within its ceiling, the K
+controller's thresholds, quotas, replica bounds: `specserve.config.live`)
+reaches the running replicas, any other change replaces them. The checks are
 `specserve.config.fit`.
 """
 
@@ -168,10 +172,8 @@ def wait_running(serve, stop, cfg, app: str = "specserve") -> None:
         time.sleep(1)
 
 
-def run_serve(args) -> int:
-    import signal
-    import threading
-
+def checked_config(args):
+    """The config of `args` with every check that needs no Ray (UsageError)."""
     from specserve.models import ensure_default_model
 
     cfg, tokenizers_compatible = serve_config(args)
@@ -181,11 +183,55 @@ def run_serve(args) -> int:
         if problem:
             raise UsageError(f"draft {d.name}: {problem}")
     check_contexts(cfg, target_dir)
+    return cfg
+
+
+def deploy(cfg) -> None:
+    """Apply the Serve config of `cfg` to the running Serve instance (what
+    `serve deploy` does through the dashboard)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.app import serve_app
+
+    _get_global_client().deploy_apps(
+        ServeDeploySchema.model_validate({"applications": [serve_app(cfg)]}))
+
+
+def reload(args, cfg, stop):
+    """The config file read again and applied (SIGHUP); the old one stays
+    when the new one is refused. Returns the config now running."""
+    from ray import serve
+
+    from specserve.config.live import code_part
+
+    try:
+        new = checked_config(args)
+    except UsageError as e:
+        print(f"specserve: the changed config is refused, the app runs on as it was: {e}",
+              file=sys.stderr, flush=True)
+        return cfg
+    if (new.http.host, new.http.port) != (cfg.http.host, cfg.http.port):
+        print("specserve: http.host and http.port take effect at the next start only",
+              file=sys.stderr, flush=True)
+    what = ("live settings only: the replicas keep running" if code_part(new) == code_part(cfg)
+            else "models, engines or resources changed: the replicas are replaced")
+    print(f"specserve: applying the changed config ({what})", file=sys.stderr, flush=True)
+    deploy(new)
+    time.sleep(2)  # until Serve has taken the new config (the status lags it)
+    wait_running(serve, stop, new)
+    print("specserve: applied the changed config", file=sys.stderr, flush=True)
+    return new
+
+
+def run_serve(args) -> int:
+    import signal
+    import threading
+
+    cfg = checked_config(args)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import ray
     from ray import serve
-
-    from deployments.app import build_app
 
     address = ray_address(cfg)
     if address is not None:
@@ -199,18 +245,23 @@ def run_serve(args) -> int:
         for key, value in RAY_NODE_ENV.items():
             os.environ.setdefault(key, value)
         ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)
-    stop = threading.Event()
+    stop, changed = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: changed.set())
     try:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-        serve.run(build_app(cfg), name="specserve", route_prefix="/", blocking=False)
+        deploy(cfg)
         wait_running(serve, stop, cfg)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
         drafts = ", ".join(d.name for d in cfg.drafts) or "none (target-only)"
         print(f"specserve: serving {cfg.target.served_name()} at {url}/v1 "
-              f"(drafts: {drafts}); Ctrl-C to stop", flush=True)
-        stop.wait()
+              f"(drafts: {drafts}); Ctrl-C to stop, SIGHUP to apply a changed config",
+              flush=True)
+        while not stop.is_set():
+            if changed.wait(1):
+                changed.clear()
+                cfg = reload(args, cfg, stop)
         print("specserve: shutting down", file=sys.stderr, flush=True)
     finally:
         try:

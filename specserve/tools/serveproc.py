@@ -2,7 +2,8 @@
 
 Owns: starting the serve command with a config file on a free port
 (`specserve.ports.free_port`), waiting until it answers,
-stopping it with SIGTERM (killing whatever it leaves behind, and saying so),
+applying a changed config file with SIGHUP (`apply`), stopping it with
+SIGTERM (killing whatever it leaves behind, and saying so),
 and the plain-urllib requests `specserve bench` and the tests send (JSON GET and
 POST, a streaming chat completion read as server-sent events). No Ray or Serve
 imports: everything goes through the command line and HTTP, as a user's would.
@@ -93,13 +94,14 @@ class ServeProcess:
         self.port = free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "specserve.cli", "serve"]
+        self.config_path = None
         if config is not None:
             import yaml
 
             config = {**config, "http": {**config.get("http", {}), "port": self.port}}
-            path = workdir / "serve-config.yaml"
-            path.write_text(yaml.safe_dump(config))
-            args.append(str(path))
+            self.config_path = workdir / "serve-config.yaml"
+            self.config_path.write_text(yaml.safe_dump(config))
+            args.append(str(self.config_path))
         else:
             args += ["--port", str(self.port)]
         self.logfile = workdir / "serve.log"
@@ -110,6 +112,27 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self._seen: dict = {}
         self.left_running: list[int] = []  # pids stop() had to kill
+
+    def apply(self, config: dict, timeout: float = 600) -> None:
+        """Rewrite the config file (on the same port) and SIGHUP serve, as a
+        user changing a running app would; until serve says it applied it."""
+        import yaml
+
+        if self.config_path is None:
+            raise RuntimeError("serve was started without a config file")
+        config = {**config, "http": {**config.get("http", {}), "port": self.port}}
+        done = self.tail(10**8).count("specserve: applied the changed config")
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.tail(10**8)
+            if log.count("specserve: applied the changed config") > done:
+                return
+            if "the changed config is refused" in log or self.proc.poll() is not None:
+                raise RuntimeError(f"serve did not apply the config:\n{self.tail()}")
+            time.sleep(1)
+        raise RuntimeError(f"serve did not apply the config in {timeout:.0f}s:\n{self.tail()}")
 
     def tail(self, n: int = 4000) -> str:
         if not self._log.closed:  # stop() closes it; the file stays readable
