@@ -186,3 +186,28 @@ def test_a_deployment_that_cannot_be_placed_says_what_it_asks_and_what_is_free(
         "specserve: draft-b waits for resources: each replica asks CPU 1, 1 replica to start; "
         "free: node 127.0.0.1: CPU 0",
     ]
+
+
+def test_a_changed_config_serve_refuses_on_sighup_leaves_the_app_as_it_was(
+        tiny_models, tmp_path, capsys):
+    """`specserve serve`'s SIGHUP path: the file is checked before anything is
+    applied (no Ray needed to refuse it)."""
+    import argparse
+    import threading
+
+    import yaml
+
+    from specserve.cli.serve import checked_config, reload
+
+    path = tmp_path / "app.yaml"
+    good = {"target": {"model": str(tiny_models["target"]), "name": "tiny"},
+            "ray": {"num_cpus": 4}}
+    path.write_text(yaml.safe_dump(good))
+    args = argparse.Namespace(config=str(path), target=None, draft=None, port=None,
+                              api_key=None, host=None)
+    cfg = checked_config(args)
+    path.write_text(yaml.safe_dump({**good, "quotas": {"max_n": 0}}))
+    assert reload(args, cfg, threading.Event()) is cfg
+    err = capsys.readouterr().err
+    assert "the changed config is refused, the app runs on as it was" in err
+    assert "quotas.max_n" in err

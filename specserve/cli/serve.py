@@ -217,9 +217,14 @@ def reload(args, cfg, stop):
     what = ("live settings only: the replicas keep running" if code_part(new) == code_part(cfg)
             else "models, engines or resources changed: the replicas are replaced")
     print(f"specserve: applying the changed config ({what})", file=sys.stderr, flush=True)
-    deploy(new)
-    time.sleep(2)  # until Serve has taken the new config (the status lags it)
-    wait_running(serve, stop, new)
+    try:
+        deploy(new)
+        time.sleep(2)  # until Serve has taken the new config (the status lags it)
+        wait_running(serve, stop, new)
+    except Exception as e:  # Serve has the new config, and keeps trying it
+        print(f"specserve: the changed config did not deploy ({e}); fix it and send SIGHUP "
+              "again", file=sys.stderr, flush=True)
+        return new
     print("specserve: applied the changed config", file=sys.stderr, flush=True)
     return new
 

@@ -121,15 +121,17 @@ class ServeProcess:
         if self.config_path is None:
             raise RuntimeError("serve was started without a config file")
         config = {**config, "http": {**config.get("http", {}), "port": self.port}}
-        done = self.tail(10**8).count("specserve: applied the changed config")
+        ends = ("applied the changed config", "the changed config is refused",
+                "the changed config did not deploy")
+        before = [self.tail(10**8).count(end) for end in ends]
         self.config_path.write_text(yaml.safe_dump(config))
         self.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            log = self.tail(10**8)
-            if log.count("specserve: applied the changed config") > done:
+            now = [self.tail(10**8).count(end) for end in ends]
+            if now[0] > before[0]:
                 return
-            if "the changed config is refused" in log or self.proc.poll() is not None:
+            if now[1:] != before[1:] or self.proc.poll() is not None:
                 raise RuntimeError(f"serve did not apply the config:\n{self.tail()}")
             time.sleep(1)
         raise RuntimeError(f"serve did not apply the config in {timeout:.0f}s:\n{self.tail()}")
