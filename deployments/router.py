@@ -96,10 +96,10 @@ def _timed_out(timeout_s: float) -> ApiError:
 async def _next(stream, deadline: float | None):
     """The stream's next item; TimeoutError once the loop's clock passes
     `deadline` (None: no limit), StopAsyncIteration at its end."""
-    if deadline is None:
+    # (asyncio.timeout_at schedules one timer and no task: this runs for
+    # every chunk of every stream.)
+    async with asyncio.timeout_at(deadline):
         return await stream.__anext__()
-    left = max(deadline - asyncio.get_running_loop().time(), 0.0)
-    return await asyncio.wait_for(stream.__anext__(), left)
 
 
 def _target_failed(e: BaseException) -> ApiError:
