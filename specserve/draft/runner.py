@@ -3,10 +3,11 @@
 Owns, per request, the draft's speculative sequence S (prompt + verified tokens +
 drafted tokens) and its verified length, and keeps S up to `lookahead` (W) tokens
 past the verified position by running the draft model in segments. Every token
-is streamed to the target's sink as soon as it exists, as the whole window from
-the verified position on (so the sink can check it against what it has). When
-the target verifies tokens that differ from S (a rejection) or runs past S, the
-current segment is aborted and drafting restarts from the verified history.
+is handed to the target's sink link as soon as it exists, as the whole window
+from the verified position on; the link sends what the sink lacks
+(specserve/draft/sent.py). When the target verifies tokens that differ from S
+(a rejection) or runs past S, the current segment is aborted and drafting
+restarts from the verified history.
 
 Branches (pre-drafted outcomes). With a BranchPlan and a model that can branch,
 every window also carries branches: at window offset j, fan_out(α, ...) of the
