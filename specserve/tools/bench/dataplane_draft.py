@@ -48,9 +48,9 @@ from specserve.tools.bench.dataplane_workload import DraftPlan, true_token, true
 
 log = logging.getLogger(__name__)
 
-# Arrival times of verified updates kept between two asks (~24 MB at most): a
+# Arrival times of verified updates kept between two asks (~60 MB at most): a
 # monotonic clock is one clock for every process of the machine.
-MAX_HEARD = 200_000
+MAX_HEARD = 500_000
 
 
 class _Request:
