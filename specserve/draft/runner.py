@@ -227,12 +227,13 @@ class _Request:
         end = min(len(self.tokens), len(self.verified))
         return start >= end or self.tokens[start:end] == self.verified[start:end]
 
-    def roll_back(self) -> bool:
+    def roll_back(self, since: int = 0) -> bool:
         """Restart from the verified history, on our branch for it if we have
-        one. Returns whether a branch was taken."""
+        one; S and the history agree before `since` (a scan from there, not
+        from the prompt's start). Returns whether a branch was taken."""
         v = self.verified
-        p = next((i for i in range(min(len(self.tokens), len(v))) if self.tokens[i] != v[i]),
-                 None)
+        p = next((i for i in range(since, min(len(self.tokens), len(v)))
+                  if self.tokens[i] != v[i]), None)
         branch = self.branches.get((p, v[p])) if p is not None else None
         self.branches = {}
         self.epoch += 1
@@ -379,7 +380,7 @@ class DraftRunner:
             # The target rejected one of our tokens: restart from its history
             # (on our branch for its token, if we drafted one).
             self.stats.rejections += 1
-            if req.roll_back():
+            if req.roll_back(since=position):
                 self.stats.branches_taken += 1
             self.stats.rollbacks += 1
         else:
@@ -446,7 +447,7 @@ class DraftRunner:
             req.tokens.extend(new)
             self.stats.drafted_tokens += len(new)
             if not req.agrees(start):
-                req.roll_back()  # we guessed a token the target already decided otherwise
+                req.roll_back(since=start)  # we guessed a token the target decided otherwise
                 self.stats.rollbacks += 1
                 return True
             v = len(req.verified)
