@@ -6,8 +6,8 @@ rejects at install time what `specserve serve` would reject at load time
 (unknown keys, wrong types, out-of-range numbers; cross-field rules such as
 min <= max replicas are checked by AppConfig when the app starts). The other
 keys describe the Kubernetes side of the chart (image, head and worker groups,
-Serve service, API key Secret, GCS fault tolerance, monitoring, Grafana
-dashboard); `global` is accepted so the chart works as a subchart.
+Serve service, API key Secret, GCS fault tolerance, Ray's ports, NetworkPolicies,
+Ray token authentication, the draft stream's TLS, monitoring, Grafana dashboard); `global` is accepted so the chart works as a subchart.
 
 `make helm-schema` (python -m specserve.tools.chart) writes the file; a test checks
 the checked-in file equals what this generates.
@@ -36,6 +36,9 @@ def _nullable(schema: dict) -> dict:
 
 
 _MAP_OF_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+_PEERS = {"type": "array", "items": {"type": "object"}}
+_RAY_PORTS = ("objectManager", "nodeManager", "runtimeEnvAgent", "dashboardAgentGrpc",
+              "dashboardAgentListen", "metricsExport", "minWorker", "maxWorker")
 _RESOURCES = {
     "type": "object",
     "description": "Kubernetes container resources (requests, limits). For worker groups, "
@@ -164,6 +167,34 @@ def values_schema() -> dict:
                     "key": {"type": "string", "minLength": 1},
                 }, "Secret key holding Redis' password.", ["name", "key"])),
             }, "GCS fault tolerance (KubeRay gcsFaultToleranceOptions) with an external Redis."),
+            "rayPorts": _obj({
+                name: {"type": "integer", "minimum": 1, "maximum": 65535} for name in _RAY_PORTS
+            }, "Ray's ports on every pod, fixed so the NetworkPolicy can name them (the head "
+               "also listens on GCS 6379, client 10001, dashboard 8265).",
+                list(_RAY_PORTS)),
+            "networkPolicy": _obj({
+                "enabled": {"type": "boolean"},
+                "serveFrom": {**_PEERS, "description": "Who may reach the Serve port "
+                              "(NetworkPolicyPeers); empty: any source."},
+                "metricsFrom": {**_PEERS, "description": "Who may scrape Ray's metrics port "
+                                "(rayPorts.metricsExport); empty: nobody."},
+                "operatorFrom": {**_PEERS, "description": "KubeRay's operator, allowed on the "
+                                 "head's dashboard port (8265); empty: nobody."},
+            }, "Ingress NetworkPolicies: Ray's ports only between this release's pods, the "
+               "draft sink on target pods only from draft pods, the Serve port from serveFrom."),
+            "rayAuth": _obj({
+                "enabled": {"type": "boolean"},
+                "existingSecret": {"type": "string", "description": "A Secret with the key "
+                                   "auth_token. Empty: KubeRay generates one per cluster."},
+            }, "Ray token authentication (KubeRay authOptions mode token; Ray >= 2.52)."),
+            "draftTls": _obj({
+                "enabled": {"type": "boolean"},
+                "existingSecret": {"type": "string", "description": "A Secret with tls.crt, "
+                                   "tls.key and ca.crt (e.g. a cert-manager Certificate's). "
+                                   "Empty: the chart generates a CA and a certificate."},
+                "serverName": {"type": "string", "minLength": 1, "description": "The name "
+                               "in the certificate that drafts check (sinks are dialled by IP)."},
+            }, "Mutual TLS on the draft stream (specserve.grpc_tls, filled by the chart)."),
             "global": {"type": "object",
                        "description": "Values a parent chart shares with its subcharts; "
                                       "this chart reads none."},

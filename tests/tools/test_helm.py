@@ -35,6 +35,15 @@ CHART = REPO / "helm" / "specserve"
 GPU_VALUES = CHART / "examples" / "gpu-values.yaml"
 CRDS = Path(__file__).resolve().parents[1] / "data" / "crds"
 KUBE_VERSION = "1.30"
+FULLNAME = "spec-specserve"  # release "spec"
+TLS_DIR = "/etc/specserve/draft-tls"
+SINK_PORT = 50051  # values.yaml's specserve.target.sink_port
+# Ray's ports as values.yaml fixes them (rayPorts), on every pod.
+RAY_PORT_PARAMS = {"object-manager-port": "8076", "node-manager-port": "8077",
+                   "runtime-env-agent-port": "8078", "dashboard-agent-grpc-port": "8079",
+                   "dashboard-agent-listen-port": "52365", "metrics-export-port": "8080",
+                   "min-worker-port": "10002", "max-worker-port": "19999"}
+SEVERAL = ("PodMonitor", "NetworkPolicy", "Secret", "PodDisruptionBudget")
 
 
 @lru_cache(maxsize=None)
@@ -51,8 +60,9 @@ def gpu_values() -> dict:
 
 
 def render(values: dict | None = None) -> dict[str, dict]:
-    """kind -> object, NOTES.txt under "NOTES"; a kind the chart renders twice
-    (the two PodMonitors) is keyed "kind/<name suffix after the fullname->"."""
+    """kind -> object, NOTES.txt under "NOTES"; a kind the chart may render
+    several of (PodMonitor, NetworkPolicy, Secret, PodDisruptionBudget) is keyed
+    "kind/<name suffix after the fullname->" (e.g. "NetworkPolicy/draft-sink")."""
     out: dict[str, dict] = {}
     for path, text in chart().render(values, name="spec", namespace="llm").items():
         if path.endswith("NOTES.txt"):
@@ -61,8 +71,8 @@ def render(values: dict | None = None) -> dict[str, dict]:
         for doc in yaml.safe_load_all(text):
             if doc:
                 key = doc["kind"]
-                if key == "PodMonitor":
-                    key = f"PodMonitor/{doc['metadata']['name'].rsplit('-', 1)[-1]}"
+                if key in SEVERAL:
+                    key = f"{key}/{doc['metadata']['name'].removeprefix(FULLNAME + '-')}"
                 assert key not in out, f"two {key} objects"
                 out[key] = doc
     return out
@@ -166,16 +176,19 @@ def test_helm_lint_is_clean(values):
 
 def test_default_values_render_a_valid_cpu_deployment():
     objs = render()
-    assert set(objs) == {"RayService", "ConfigMap", "NOTES"}
+    assert set(objs) == {"RayService", "ConfigMap", "NetworkPolicy/ray",
+                         "NetworkPolicy/operator", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    validate_core(objs["ConfigMap"])
+    for kind in ("ConfigMap", "NetworkPolicy/ray", "NetworkPolicy/operator"):
+        validate_core(objs[kind])
 
     serve_config, app = serve_app(rs)
     assert serve_config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert app["route_prefix"] == "/"
     cfg = AppConfig.from_dict(app["args"], source="serveConfigV2")
-    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"}})
+    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
+                                       "target": {"sink_port": SINK_PORT}})
     # The import path names a Serve application builder that takes the args.
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
@@ -189,20 +202,29 @@ def test_default_values_render_a_valid_cpu_deployment():
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 1)
     assert "nvidia.com/gpu" not in container(target)["resources"]["limits"]
     assert cluster["headGroupSpec"]["rayStartParams"] == {"dashboard-host": "0.0.0.0",
-                                                          "num-cpus": "0"}
+                                                          "num-cpus": "0", **RAY_PORT_PARAMS}
+    assert target["rayStartParams"] == RAY_PORT_PARAMS
 
 
 def test_gpu_example_renders_gpu_groups_and_the_example_config():
     objs = render(gpu_values())
     assert set(objs) == {"RayService", "ConfigMap", "PodMonitor/router", "PodMonitor/ray",
-                         "NOTES"}
+                         "NetworkPolicy/ray", "NetworkPolicy/operator",
+                         "NetworkPolicy/draft-sink", "Secret/draft-tls", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    validate_core(objs["ConfigMap"])
+    for kind in ("ConfigMap", "NetworkPolicy/ray", "NetworkPolicy/operator",
+                 "NetworkPolicy/draft-sink", "Secret/draft-tls"):
+        validate_core(objs[kind])
 
+    # The example's config, plus what the chart adds for the cluster: the
+    # sink's fixed port (values.yaml) and the draft stream's TLS files.
     _, app = serve_app(rs)
-    assert AppConfig.from_dict(app["args"]) == AppConfig.from_yaml(REPO / "cluster" /
-                                                                   "gpu-example.yaml")
+    example = AppConfig.from_yaml(REPO / "cluster" / "gpu-example.yaml").model_dump()
+    example["target"]["sink_port"] = SINK_PORT
+    example["grpc_tls"] = {"ca_file": f"{TLS_DIR}/ca.crt", "cert_file": f"{TLS_DIR}/tls.crt",
+                           "key_file": f"{TLS_DIR}/tls.key", "server_name": "draft-sink"}
+    assert AppConfig.from_dict(app["args"]) == AppConfig.from_dict(example)
 
     g = groups(rs)
     target, draft = g["target"], g["draft"]
@@ -357,13 +379,13 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
     name = api_key.get("existingSecret", "spec-specserve-api-key")
     key = api_key.get("secretKey", "api-key")
     if "value" in api_key:
-        secret = objs["Secret"]
+        secret = objs["Secret/api-key"]
         validate_core(secret)
         assert secret["metadata"]["name"] == name
         assert secret["stringData"] == {key: "k3y-s3cret"}
         assert "k3y-s3cret" not in yaml.safe_dump(rs)
     else:
-        assert "Secret" not in objs
+        assert "Secret/api-key" not in objs
     _, app = serve_app(rs)
     cfg = AppConfig.from_dict(app["args"])
     assert cfg.http.api_key is None and cfg.http.api_key_env == "SPECSERVE_API_KEY"

@@ -99,7 +99,47 @@ applications:
 {{- $_ := unset $http "api_key" -}}
 {{- $_ := set $app "http" $http -}}
 {{- end -}}
+{{- if include "specserve.draftTlsSecret" . -}}
+{{- if $app.grpc_tls -}}
+{{- fail "specserve.grpc_tls and draftTls.enabled both configure the draft stream's TLS; set draftTls.enabled=false to use your own files, or remove specserve.grpc_tls" -}}
+{{- end -}}
+{{- $dir := include "specserve.draftTlsDir" . -}}
+{{- $_ := set $app "grpc_tls" (dict "ca_file" (printf "%s/ca.crt" $dir) "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) "server_name" .Values.draftTls.serverName) -}}
+{{- end -}}
 {{- toYaml $app -}}
+{{- end -}}
+
+{{/* The Secret of the draft stream's certificates ("" without TLS or drafts). */}}
+{{- define "specserve.draftTlsSecret" -}}
+{{- if and .Values.draftTls.enabled .Values.specserve.drafts -}}
+{{- .Values.draftTls.existingSecret | default (printf "%s-draft-tls" (include "specserve.fullname" .)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.draftTlsDir" -}}/etc/specserve/draft-tls{{- end -}}
+
+{{/* The Serve HTTP port (specserve.http.port). */}}
+{{- define "specserve.servePort" -}}
+{{- (.Values.specserve.http | default dict).port | default 8000 | int -}}
+{{- end -}}
+
+{{/* The draft sink's port on target pods (specserve.target.sink_port). */}}
+{{- define "specserve.sinkPort" -}}
+{{- (.Values.specserve.target | default dict).sink_port | default 0 | int -}}
+{{- end -}}
+
+{{/* Ray's fixed ports as rayStartParams (rayPorts). */}}
+{{- define "specserve.rayPortParams" -}}
+{{- $p := .Values.rayPorts -}}
+{{- toJson (dict "object-manager-port" $p.objectManager "node-manager-port" $p.nodeManager
+    "runtime-env-agent-port" $p.runtimeEnvAgent "dashboard-agent-grpc-port" $p.dashboardAgentGrpc
+    "dashboard-agent-listen-port" $p.dashboardAgentListen "metrics-export-port" $p.metricsExport
+    "min-worker-port" $p.minWorker "max-worker-port" $p.maxWorker) -}}
+{{- end -}}
+
+{{/* The head's own Ray ports (KubeRay's defaults; the head container names them). */}}
+{{- define "specserve.headPorts" -}}
+{{- toJson (dict "gcs-server" 6379 "dashboard" 8265 "client" 10001) -}}
 {{- end -}}
 
 {{/* A Kubernetes CPU quantity in cores ("2", "500m", 1.5). */}}
@@ -138,7 +178,8 @@ applications:
 {{- end -}}
 {{- end -}}
 
-{{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool). */}}
+{{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool
+     "drafting" bool): drafting containers (targets and drafts) mount the draft stream's certificates. */}}
 {{- define "specserve.container" -}}
 {{- $ := .ctx -}}
 {{- $g := .group -}}
@@ -157,13 +198,13 @@ applications:
   {{- end }}
   ports:
     {{- if .head }}
-    - {name: gcs-server, containerPort: 6379}
-    - {name: dashboard, containerPort: 8265}
-    - {name: client, containerPort: 10001}
+    {{- range $name, $port := include "specserve.headPorts" $ | fromJson }}
+    - {name: {{ $name }}, containerPort: {{ $port | int }}}
+    {{- end }}
     {{- end }}
     - name: serve
-      containerPort: {{ ($.Values.specserve.http | default dict).port | default 8000 | int }}
-    - {name: metrics, containerPort: 8080}
+      containerPort: {{ include "specserve.servePort" $ }}
+    - {name: metrics, containerPort: {{ $.Values.rayPorts.metricsExport | int }}}
   {{- $secret := include "specserve.apiKeySecret" $ }}
   env:
     # Ray would start its workers (the Serve replicas and their vLLM engines) at
@@ -188,12 +229,15 @@ applications:
   {{- end }}
   volumeMounts:
     - {name: shm, mountPath: /dev/shm}
+    {{- if and .drafting (include "specserve.draftTlsSecret" $) }}
+    - {name: draft-tls, mountPath: {{ include "specserve.draftTlsDir" $ }}, readOnly: true}
+    {{- end }}
     {{- with $g.volumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end -}}
 
-{{/* Pod-level settings shared by the groups: (dict "ctx" $ "group" $values). */}}
+{{/* Pod-level settings shared by the groups: (dict "ctx" $ "group" $values "drafting" bool). */}}
 {{- define "specserve.podSpec" -}}
 {{- $ := .ctx -}}
 {{- with $.Values.imagePullSecrets }}
@@ -232,6 +276,10 @@ affinity:
 volumes:
   - name: shm
     emptyDir: {medium: Memory}
+  {{- if and .drafting (include "specserve.draftTlsSecret" $) }}
+  - name: draft-tls
+    secret: {secretName: {{ include "specserve.draftTlsSecret" $ }}, defaultMode: 0440}
+  {{- end }}
   {{- with .group.volumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -248,9 +296,10 @@ volumes:
 {{/* A group's rayStartParams with the accelerator types its pools ask for
      advertised as Ray resources (accelerator_type:<T>), so KubeRay's
      autoscaler knows which group to grow for a bundle that asks for one:
-     (dict "params" $groupParams "types" (list "H100")). Explicit params win. */}}
+     (dict "ctx" $ "params" $groupParams "types" (list "H100")). Ray's fixed ports
+     (rayPorts) are added; explicit params win. */}}
 {{- define "specserve.groupStartParams" -}}
-{{- $p := deepCopy (.params | default dict) -}}
+{{- $p := merge (deepCopy (.params | default dict)) (include "specserve.rayPortParams" .ctx | fromJson) -}}
 {{- if and .types (not (hasKey $p "resources")) -}}
 {{- $res := dict -}}
 {{- range .types }}{{ $_ := set $res (printf "accelerator_type:%s" .) 1 }}{{ end -}}
