@@ -108,6 +108,39 @@ def _worker_group(what: str, gpus: str, bounds: str) -> dict:
     }, f"The {what} worker group: one pod per replica.")
 
 
+INCREMENTAL = "NewClusterWithIncrementalUpgrade"
+
+
+def _upgrade_strategy() -> dict:
+    """KubeRay's RayService upgradeStrategy; the incremental one needs its options."""
+    options = _obj({
+        "gatewayClassName": {"type": "string", "minLength": 1,
+                             "description": "The Gateway API class that shifts traffic."},
+        "stepSizePercent": {"type": "integer", "minimum": 1, "maximum": 100,
+                            "description": "Traffic moved to the new cluster per step, %."},
+        "intervalSeconds": {"type": "integer", "minimum": 1,
+                            "description": "Seconds between traffic steps."},
+        "maxSurgePercent": {"type": "integer", "minimum": 1, "maximum": 100,
+                            "description": "Capacity the new cluster may add per step, % of "
+                                           "the old one (KubeRay's default: 100)."},
+    }, f"Options of {INCREMENTAL}.", ["gatewayClassName", "stepSizePercent", "intervalSeconds"])
+    out = _obj({
+        "type": {"enum": ["NewCluster", INCREMENTAL, "None"],
+                 "description": "NewCluster (KubeRay's default): a whole second cluster before "
+                                f"switching. {INCREMENTAL}: the new cluster grows step by step "
+                                "as traffic shifts. None: cluster changes are not rolled out."},
+        "clusterUpgradeOptions": _nullable(options),
+    }, "How KubeRay rolls out a change to the Ray cluster (docs/kubernetes.md lists the GPUs "
+       "each type needs).", ["type"])
+    out["allOf"] = [
+        {"if": {"properties": {"type": {"const": INCREMENTAL}}},
+         "then": {"properties": {"clusterUpgradeOptions": {"type": "object"}},
+                  "required": ["clusterUpgradeOptions"]},
+         "else": {"properties": {"clusterUpgradeOptions": {"type": "null"}}}},
+    ]
+    return out
+
+
 def values_schema() -> dict:
     app = AppConfig.model_json_schema(mode="validation")
     defs = app.pop("$defs", {})
@@ -130,6 +163,7 @@ def values_schema() -> dict:
             }, "The image of every Ray pod: Ray with specserve installed.", ["repository"]),
             "imagePullSecrets": {"type": "array", "items": {"type": "object"}},
             "rayVersion": {"type": "string", "description": "Ray version of the image."},
+            "upgradeStrategy": _upgrade_strategy(),
             "autoscaler": _obj({
                 "enabled": {"type": "boolean"},
                 "idleTimeoutSeconds": {"type": "integer", "minimum": 0},

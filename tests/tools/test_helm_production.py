@@ -262,3 +262,37 @@ def test_ray_token_auth_is_kuberays_auth_options():
                                                              "secretName": "ray-token"}
     rs = render({"rayAuth": {"enabled": False}})["RayService"]
     assert "authOptions" not in rs["spec"]["rayClusterConfig"]
+
+
+# ---- upgrade strategy ------------------------------------------------------------------------
+
+INCREMENTAL_OPTIONS = {"gatewayClassName": "istio", "stepSizePercent": 25,
+                       "intervalSeconds": 60, "maxSurgePercent": 25}
+
+
+@pytest.mark.parametrize("strategy", [
+    None,  # values.yaml's: KubeRay's own default, written out
+    {"type": "None"},
+    {"type": "NewClusterWithIncrementalUpgrade", "clusterUpgradeOptions": INCREMENTAL_OPTIONS},
+])
+def test_upgrade_strategy_reaches_the_rayservice(strategy):
+    values = gpu_values()
+    if strategy is not None:
+        values["upgradeStrategy"] = strategy
+    rs = render(values)["RayService"]
+    check_rayservice(rs)
+    assert rs["spec"]["upgradeStrategy"] == (strategy or {"type": "NewCluster"})
+
+
+@pytest.mark.parametrize("strategy", [
+    {"type": "Recreate"},  # a RayCluster strategy, not a RayService one
+    {"type": "NewClusterWithIncrementalUpgrade"},  # without its options
+    {"type": "NewClusterWithIncrementalUpgrade",
+     "clusterUpgradeOptions": {"gatewayClassName": "istio", "stepSizePercent": 25}},
+    {"type": "None", "clusterUpgradeOptions": INCREMENTAL_OPTIONS},  # options of another type
+])
+def test_values_schema_refuses_a_wrong_upgrade_strategy(strategy):
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmValuesError):
+        render({"upgradeStrategy": strategy})
