@@ -174,9 +174,15 @@ def values_schema() -> dict:
             "workerGroups": _obj({
                 "target": _worker_group("target", "tensor_parallel_size x gpus_per_worker",
                                         "specserve.target.replicas"),
-                "draft": _worker_group("draft", "the largest drafts[].resources.gpus_per_worker, "
-                                       "rounded up", "the sum of drafts[].replicas"),
-            }, "Worker groups of the Ray cluster.", ["target", "draft"]),
+                "draft": _worker_group("draft", "the pool's resources.gpus_per_worker, "
+                                       "rounded up", "the pool's replicas"),
+                "draftPools": {"type": "object", "description": "Per draft pool name: the "
+                               "keys of `draft` its own group (draft-<name>) sets differently.",
+                               "additionalProperties": _worker_group(
+                                   "draft pool's", "the pool's resources.gpus_per_worker, "
+                                   "rounded up", "the pool's replicas")},
+            }, "Worker groups of the Ray cluster: the target pool's, and one per draft pool.",
+               ["target", "draft"]),
             "service": _obj({
                 "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                 "port": {"type": "integer", "minimum": 1, "maximum": 65535},

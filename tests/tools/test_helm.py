@@ -227,7 +227,8 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     assert AppConfig.from_dict(app["args"]) == AppConfig.from_dict(example)
 
     g = groups(rs)
-    target, draft = g["target"], g["draft"]
+    assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    target, draft = g["target"], g["draft-llama-1b"]
     # A target replica is one pod with tensor_parallel_size GPUs, on H100 nodes.
     assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 4)
@@ -238,11 +239,12 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     for group, kind in ((target, "H100"), (draft, "L4")):
         assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
             f"accelerator_type:{kind}": 1}
-    # Draft replicas: one L4 each; both pools' bounds added up (2-8 and 1-4).
-    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert (draft["minReplicas"], draft["maxReplicas"]) == (3, 12)
-    assert draft["template"]["spec"]["nodeSelector"] == {
-        "cloud.google.com/gke-accelerator": "nvidia-l4"}
+    # One group per draft pool: one L4 per replica, the pool's own bounds.
+    for name, bounds in (("draft-llama-1b", (2, 8)), ("draft-llama-8b", (1, 4))):
+        assert container(g[name])["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert (g[name]["minReplicas"], g[name]["maxReplicas"]) == bounds
+        assert g[name]["template"]["spec"]["nodeSelector"] == {
+            "cloud.google.com/gke-accelerator": "nvidia-l4"}
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     for group in (head, target, draft):  # the router on the head reads the tokenizer
         spec = group["template"]["spec"]
@@ -268,7 +270,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     rm, pm = objs["PodMonitor/router"], objs["PodMonitor/ray"]
     head_labels = head["template"]["metadata"]["labels"]
     assert rm["spec"]["selector"]["matchLabels"].items() <= head_labels.items()
-    for name in ("target", "draft"):
+    for name in ("target", "draft-llama-1b", "draft-llama-8b"):
         assert not (rm["spec"]["selector"]["matchLabels"].items()
                     <= g[name]["template"]["metadata"]["labels"].items())
     (endpoint,) = rm["spec"]["podMetricsEndpoints"]
@@ -303,7 +305,7 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
     assert built.ingress_deployment_name == "router"
 
     g = groups(rs)
-    limits = {name: container(g[name])["resources"]["limits"] for name in ("target", "draft")}
+    limits = {name: container(group)["resources"]["limits"] for name, group in g.items()}
     bundles = deployments["target"]._replica_config.placement_group_bundles
     # One target replica (all its tensor-parallel bundles) fits one target pod.
     assert sum(b["GPU"] for b in bundles) == limits["target"]["nvidia.com/gpu"] == 4
@@ -311,8 +313,8 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
     for name in ("draft-llama-1b", "draft-llama-8b"):
         d = deployments[name]
         actor = d._replica_config.ray_actor_options
-        assert actor["num_gpus"] <= limits["draft"]["nvidia.com/gpu"]
-        assert actor["num_cpus"] <= float(limits["draft"]["cpu"])
+        assert actor["num_gpus"] <= limits[name]["nvidia.com/gpu"]
+        assert actor["num_cpus"] <= float(limits[name]["cpu"])
         assert d._deployment_config.autoscaling_config.max_replicas in (8, 4)
 
 
@@ -467,16 +469,55 @@ def test_pods_too_small_for_their_replicas_fail_at_render(group, resources, mess
     render(values)
 
 
-def test_draft_group_adds_up_its_pools():
-    """Unset bounds count as AppConfig's defaults (1); GPUs round up a share."""
-    rs = render({"specserve": {"drafts": [
-        {"name": "a", "model": "/m"},
+def test_each_draft_pool_gets_its_own_group():
+    """Unset bounds count as AppConfig's defaults (1); GPUs round up a share;
+    an L4 pool and an L40S pool advertise only their own accelerator type, and
+    draftPools.<name> places one pool on other nodes."""
+    values = {"specserve": {"drafts": [
+        {"name": "a", "model": "/m", "resources": {"gpus_per_worker": 1,
+                                                   "accelerator_type": "L4"}},
         {"name": "b", "model": "/n", "replicas": {"min_replicas": 0, "max_replicas": 3},
-         "resources": {"gpus_per_worker": 0.5}}]}})["RayService"]
+         "resources": {"gpus_per_worker": 0.5, "accelerator_type": "L40S"}}]},
+        "workerGroups": {
+            "draft": {"nodeSelector": {"gpu": "l4"}},
+            "draftPools": {"b": {"nodeSelector": {"gpu": "l40s"}, "tolerations": [
+                {"key": "l40s", "operator": "Exists", "effect": "NoSchedule"}]}}}}
+    rs = render(values)["RayService"]
     check_rayservice(rs)
-    draft = groups(rs)["draft"]
-    assert (draft["minReplicas"], draft["maxReplicas"]) == (1, 4)
-    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    g = groups(rs)
+    assert set(g) == {"target", "draft-a", "draft-b"}
+    a, b = g["draft-a"], g["draft-b"]
+    assert (a["minReplicas"], a["maxReplicas"]) == (1, 1)
+    assert (b["minReplicas"], b["maxReplicas"]) == (0, 3)
+    for group, kind, selector in ((a, "L4", "l4"), (b, "L40S", "l40s")):
+        assert container(group)["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
+            f"accelerator_type:{kind}": 1}
+        assert group["template"]["spec"]["nodeSelector"] == {"gpu": selector}
+        assert group["template"]["metadata"]["labels"]["specserve.io/draft-pool"] == \
+            group["groupName"].removeprefix("draft-")
+    assert "tolerations" not in a["template"]["spec"]
+    assert b["template"]["spec"]["tolerations"][0]["key"] == "l40s"
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"target": {"gpus": 3}}, r"workerGroups.target.gpus 3 is less than the 4 GPUs one "
+                              r"replica needs \(tensor_parallel_size 4 x gpus_per_worker 1\)"),
+    ({"draftPools": {"llama-8b": {"gpus": 0}}}, "workerGroups.draftPools.llama-8b.gpus 0 is "
+                                                "less than the 1 GPUs"),
+    ({"draftPools": {"llama-3b": {"gpus": 1}}}, "no draft pool is named llama-3b"),
+])
+def test_group_overrides_that_cannot_hold_a_replica_fail_at_render(override, message):
+    import helm_python as helm
+
+    values = gpu_values()
+    for group, settings in override.items():
+        if group == "draftPools":
+            values["workerGroups"]["draftPools"] = settings
+        else:
+            values["workerGroups"][group] = {**values["workerGroups"][group], **settings}
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)
 
 
 # ---- the Grafana dashboard ----------------------------------------------------------

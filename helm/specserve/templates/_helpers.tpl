@@ -22,7 +22,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The image: image.tag, or what Dockerfile.gpu / Dockerfile.cpu build
      (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise). */}}
 {{- define "specserve.image" -}}
-{{- $flavor := ternary "gpu" "cpu" (or (gt (include "specserve.targetGpus" . | int) 0) (gt (include "specserve.draftGpus" . | int) 0)) -}}
+{{- $flavor := ternary "gpu" "cpu" (eq (include "specserve.anyGpus" .) "true") -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $flavor)) -}}
 {{- end -}}
 
@@ -45,18 +45,35 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* nvidia.com/gpu per draft pod: the largest gpus_per_worker of the drafts, rounded up. */}}
-{{- define "specserve.draftGpus" -}}
-{{- if not (kindIs "invalid" .Values.workerGroups.draft.gpus) -}}
-{{- .Values.workerGroups.draft.gpus | int -}}
+{{/* The worker group settings of one draft pool, as JSON: workerGroups.draft
+     with the keys of workerGroups.draftPools.<name> replacing its own:
+     (dict "ctx" $ "name" $poolName). */}}
+{{- define "specserve.poolGroup" -}}
+{{- $g := deepCopy .ctx.Values.workerGroups.draft -}}
+{{- range $k, $v := get (.ctx.Values.workerGroups.draftPools | default dict) .name | default dict -}}
+{{- $_ := set $g $k $v -}}
+{{- end -}}
+{{- toJson $g -}}
+{{- end -}}
+
+{{/* nvidia.com/gpu per pod of a draft pool: the group's gpus, or the pool's
+     gpus_per_worker rounded up: (dict "pool" $draft "group" $settings). */}}
+{{- define "specserve.poolGpus" -}}
+{{- if not (kindIs "invalid" .group.gpus) -}}
+{{- .group.gpus | int -}}
 {{- else -}}
-{{- $g := 0.0 -}}
+{{- (.pool.resources | default dict).gpus_per_worker | default 0 | float64 | ceil | int -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether any pod asks for GPUs ("true" or ""). */}}
+{{- define "specserve.anyGpus" -}}
+{{- $any := gt (include "specserve.targetGpus" . | int) 0 -}}
 {{- range .Values.specserve.drafts -}}
-{{- $x := (.resources | default dict).gpus_per_worker | default 0 | float64 -}}
-{{- if gt $x $g }}{{ $g = $x }}{{ end -}}
+{{- $g := include "specserve.poolGroup" (dict "ctx" $ "name" .name) | fromJson -}}
+{{- if gt (include "specserve.poolGpus" (dict "pool" . "group" $g) | int) 0 }}{{ $any = true }}{{ end -}}
 {{- end -}}
-{{- $g | ceil | int -}}
-{{- end -}}
+{{- if $any }}true{{ end -}}
 {{- end -}}
 
 {{/* The Serve config (serveConfigV2): the specserve values are AppConfig,
@@ -165,16 +182,25 @@ applications:
 {{- divf $bytes 1073741824.0 -}}
 {{- end -}}
 
+{{/* Fail when a group's gpus override is fewer than one replica needs:
+     (dict "have" $gpusOrNil "need" N "name" "target" "why" "..."). */}}
+{{- define "specserve.checkGpus" -}}
+{{- if and (not (kindIs "invalid" .have)) (lt (float64 .have) (.need | float64 | ceil)) -}}
+{{- fail (printf "workerGroups.%s.gpus %v is less than the %v GPUs one replica needs (%s): its bundles would never fit one pod and the replica would never start; raise gpus or remove it (null: what the replica needs)" .name .have (.need | float64 | ceil) .why) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Fail when a pod cannot hold what its replicas ask Ray for:
-     (dict "ctx" $ "group" $values "name" "target" "cpus" N "gib" N). */}}
+     (dict "group" $values "name" "target" "cpus" N "gib" N "why" "..." ["path" "draftPools.x"]);
+     path: where the group's resources are set (default: name). */}}
 {{- define "specserve.checkFit" -}}
 {{- $res := .group.resources | default dict -}}
 {{- $have := $res.limits | default ($res.requests | default dict) -}}
 {{- if and (hasKey $have "cpu") (gt (.cpus | float64) (include "specserve.cores" (get $have "cpu") | float64)) -}}
-{{- fail (printf "workerGroups.%s.resources: cpu %v is less than the %v CPUs one %s replica asks Ray for (%s); raise the pod's cpu or lower cpus_per_worker" .name (get $have "cpu") .cpus .name .why) -}}
+{{- fail (printf "workerGroups.%s.resources: cpu %v is less than the %v CPUs one %s replica asks Ray for (%s); raise the pod's cpu or lower cpus_per_worker" (.path | default .name) (get $have "cpu") .cpus .name .why) -}}
 {{- end -}}
 {{- if and (gt (.gib | float64) 0.0) (hasKey $have "memory") (gt (.gib | float64) (include "specserve.gib" (get $have "memory") | float64)) -}}
-{{- fail (printf "workerGroups.%s.resources: memory %v is less than the %vGi one %s replica asks Ray for (%s); raise the pod's memory or lower memory_gib" .name (get $have "memory") .gib .name .why) -}}
+{{- fail (printf "workerGroups.%s.resources: memory %v is less than the %vGi one %s replica asks Ray for (%s); raise the pod's memory or lower memory_gib" (.path | default .name) (get $have "memory") .gib .name .why) -}}
 {{- end -}}
 {{- end -}}
 
