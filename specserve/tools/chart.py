@@ -91,6 +91,22 @@ def _pod_settings(what: str) -> dict:
         "topologySpreadConstraints": {"type": "array", "items": {"type": "object"},
                                       "description": f"How the {what} pods spread over "
                                                      "zones or nodes."},
+        "terminationGracePeriodSeconds": _nullable({
+            "type": "integer", "minimum": 0,
+            "description": f"Seconds a stopping {what} pod has to finish its streams before "
+                           "it is killed. Null: Kubernetes' 30."}),
+        "shmSizeLimit": _nullable({
+            "type": ["string", "integer"],
+            "description": f"Size of the {what} pods' /dev/shm (an emptyDir in memory, counted "
+                           "against the pod's memory), e.g. 16Gi. Null: no limit."}),
+        "startupProbe": _nullable({
+            "type": "object", "description": f"The {what} container's startupProbe (a "
+                                             "Kubernetes Probe). Null: none."}),
+        "readinessProbe": _nullable({
+            "type": "object", "description": f"The {what} container's readinessProbe. "
+                                             "Null: KubeRay's own."}),
+        "image": _nullable({"type": "string", "description": f"Image of the {what} pods. "
+                            "Null: image.repository:tag."}),
     }
 
 
@@ -102,8 +118,11 @@ def _worker_group(what: str, gpus: str, bounds: str) -> dict:
                                   "description": f"Fewest pods. Null: {bounds} min_replicas."}),
         "maxReplicas": _nullable({"type": "integer", "minimum": 0,
                                   "description": f"Most pods. Null: {bounds} max_replicas."}),
-        "image": _nullable({"type": "string", "description": "Image of this group. "
-                                                             "Null: image.repository:tag."}),
+        "idleTimeoutSeconds": _nullable({
+            "type": "integer", "minimum": 0,
+            "description": "Seconds an idle pod of this group lives before the autoscaler "
+                           "removes it (needs autoscaler.version v2). Null: "
+                           "autoscaler.idleTimeoutSeconds."}),
         **_pod_settings(what),
     }, f"The {what} worker group: one pod per replica.")
 
@@ -168,6 +187,9 @@ def values_schema() -> dict:
                 "enabled": {"type": "boolean"},
                 "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
                 "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+                "version": {"enum": ["v1", "v2", None],
+                            "description": "KubeRay's autoscaler version; per-group "
+                                           "idleTimeoutSeconds needs v2. Null: KubeRay's."},
             }, "KubeRay's in-tree autoscaler (adds and removes worker pods)."),
             "head": _obj(_pod_settings("head"),
                          "The Ray head pod (GCS, dashboard, Serve controller, router)."),
@@ -235,6 +257,12 @@ def values_schema() -> dict:
                 "serverName": {"type": "string", "minLength": 1, "description": "The name "
                                "in the certificate that drafts check (sinks are dialled by IP)."},
             }, "Mutual TLS on the draft stream (specserve.grpc_tls, filled by the chart)."),
+            "podDisruptionBudget": _obj({
+                "enabled": {"type": "boolean"},
+                "maxUnavailable": {"type": ["integer", "string"],
+                                   "description": "Pods of one group a drain may evict at "
+                                                  "once (a number or a percentage)."},
+            }, "PodDisruptionBudgets of the target group and each draft pool's group."),
             "global": {"type": "object",
                        "description": "Values a parent chart shares with its subcharts; "
                                       "this chart reads none."},

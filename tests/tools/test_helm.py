@@ -177,10 +177,11 @@ def test_helm_lint_is_clean(values):
 def test_default_values_render_a_valid_cpu_deployment():
     objs = render()
     assert set(objs) == {"RayService", "ConfigMap", "NetworkPolicy/ray",
-                         "NetworkPolicy/operator", "NOTES"}
+                         "NetworkPolicy/operator", "PodDisruptionBudget/target", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    for kind in ("ConfigMap", "NetworkPolicy/ray", "NetworkPolicy/operator"):
+    for kind in ("ConfigMap", "NetworkPolicy/ray", "NetworkPolicy/operator",
+                 "PodDisruptionBudget/target"):
         validate_core(objs[kind])
 
     serve_config, app = serve_app(rs)
@@ -210,11 +211,12 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     objs = render(gpu_values())
     assert set(objs) == {"RayService", "ConfigMap", "PodMonitor/router", "PodMonitor/ray",
                          "NetworkPolicy/ray", "NetworkPolicy/operator",
-                         "NetworkPolicy/draft-sink", "Secret/draft-tls", "NOTES"}
+                         "NetworkPolicy/draft-sink", "Secret/draft-tls",
+                         "PodDisruptionBudget/target", "PodDisruptionBudget/draft-llama-1b",
+                         "PodDisruptionBudget/draft-llama-8b", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    for kind in ("ConfigMap", "NetworkPolicy/ray", "NetworkPolicy/operator",
-                 "NetworkPolicy/draft-sink", "Secret/draft-tls"):
+    for kind in set(objs) - {"RayService", "NOTES", "PodMonitor/router", "PodMonitor/ray"}:
         validate_core(objs[kind])
 
     # The example's config, plus what the chart adds for the cluster: the
@@ -260,7 +262,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     # KubeRay's own Serve service (it sets the selector to the active cluster's
     # proxies); no Service of the chart's own duplicates it.
     svc = rs["spec"]["serveService"]
-    assert svc["spec"]["type"] == "LoadBalancer" and "selector" not in svc["spec"]
+    assert svc["spec"]["type"] == "ClusterIP" and "selector" not in svc["spec"]
     validate_core({"apiVersion": "v1", "kind": "Service", **svc})
     (port,) = svc["spec"]["ports"]
     assert any(p["name"] == port["targetPort"] and p["containerPort"] == 8000
@@ -284,7 +286,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
 
     notes = objs["NOTES"]
     assert "/dashboard" in notes and "llama-3.1-70b-instruct" in notes
-    assert "kubectl -n llm get svc spec-specserve" in notes
+    assert "kubectl -n llm port-forward svc/spec-specserve 8000:8000" in notes
 
 
 def test_serve_builds_the_gpu_app_that_fits_its_pods():
@@ -436,9 +438,13 @@ def test_pod_settings_reach_every_group_and_the_chart_takes_global():
         t = pod["template"]
         spec = t["spec"]
         for k in ("serviceAccountName", "runtimeClassName", "priorityClassName",
-                  "securityContext", "topologySpreadConstraints"):
+                  "topologySpreadConstraints"):
             assert spec[k] == settings[k], k
-        assert container(pod)["securityContext"] == settings["containerSecurityContext"]
+        # Helm merges a group's securityContext into the chart's restricted defaults.
+        assert spec["securityContext"]["fsGroup"] == 100
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert container(pod)["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                     "capabilities": {"drop": ["ALL"]}}
         assert container(pod)["envFrom"] == settings["envFrom"]
         assert t["metadata"]["labels"]["team"] == "llm"
         assert t["metadata"]["annotations"] == settings["annotations"]

@@ -296,3 +296,97 @@ def test_values_schema_refuses_a_wrong_upgrade_strategy(strategy):
 
     with pytest.raises(helm.HelmValuesError):
         render({"upgradeStrategy": strategy})
+
+
+# ---- lifecycle ------------------------------------------------------------------------------
+
+def test_a_disruption_budget_per_worker_group():
+    objs = render(gpu_values())
+    rs = objs["RayService"]
+    labels = {g["groupName"]: g["template"]["metadata"]["labels"] for g in
+              rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    labels["head"] = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"][
+        "labels"]
+    pdbs = {k.split("/")[1]: o for k, o in objs.items() if k.startswith("PodDisruptionBudget/")}
+    assert set(pdbs) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    for name, pdb in pdbs.items():
+        validate_core(pdb)
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        selected = {g for g, lab in labels.items()
+                    if pdb["spec"]["selector"]["matchLabels"].items() <= lab.items()}
+        assert selected == {name}  # its own group's pods, no other group's
+    assert not [k for k in render({**gpu_values(), "podDisruptionBudget": {"enabled": False}})
+                if k.startswith("PodDisruptionBudget")]
+
+
+def test_workers_have_probes_on_healthz_grace_shm_and_restricted_security():
+    rs = render(gpu_values())["RayService"]
+    serve_config, _ = serve_app(rs)
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    for name, group in groups(rs).items():
+        c = container(group)
+        serve = next(p for p in c["ports"] if p["name"] == "serve")
+        assert serve["containerPort"] == serve_config["http_options"]["port"]
+        for probe in ("startupProbe", "readinessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/healthz", "port": "serve"}, name
+        # The router's /healthz waits up to HEALTH_WAIT_S for a target.
+        from deployments.router import HEALTH_WAIT_S
+
+        assert c["readinessProbe"]["timeoutSeconds"] > HEALTH_WAIT_S
+        spec = group["template"]["spec"]
+        assert spec["terminationGracePeriodSeconds"] == 300
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "shm"]
+        assert shm["emptyDir"] == {"medium": "Memory",
+                                   "sizeLimit": "32Gi" if name == "target" else "8Gi"}
+    # The head keeps KubeRay's probes.
+    assert "startupProbe" not in container(head) and "readinessProbe" not in container(head)
+    assert head["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    for group in [head, *groups(rs).values()]:
+        spec, c = group["template"]["spec"], container(group)
+        # Kubernetes' restricted Pod Security level, as the Ray image's user ray (1000:100).
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}}
+        assert not any("hostPath" in v for v in spec["volumes"])
+
+
+def test_ray_image_runs_as_the_user_the_security_context_names():
+    """runAsUser 1000 / fsGroup 100 is the Ray base image's `ray` user, which
+    the Dockerfiles install as (COPY --chown=ray:users)."""
+    from test_helm import REPO
+
+    for name in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        text = (REPO / name).read_text()
+        assert "ARG BASE_IMAGE=rayproject/ray:" in text and "--chown=ray:users" in text
+        assert "USER root" not in text
+
+
+def test_idle_timeouts_per_group_need_autoscaler_v2():
+    import helm_python as helm
+
+    rs = render(gpu_values())["RayService"]
+    check_rayservice(rs)
+    assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] == "v2"
+    assert {n: g["idleTimeoutSeconds"] for n, g in groups(rs).items()} == {
+        "target": 1800, "draft-llama-1b": 600, "draft-llama-8b": 600}
+    values = gpu_values()
+    values["autoscaler"] = {"version": None}
+    with pytest.raises(helm.HelmError, match="idleTimeoutSeconds needs KubeRay's autoscaler v2"):
+        render(values)
+    assert "idleTimeoutSeconds" not in groups(render()["RayService"])["target"]
+
+
+def test_the_head_pulls_the_cpu_image_and_the_example_is_not_public():
+    objs = render(gpu_values())
+    rs = objs["RayService"]
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert container(head)["image"] == "registry.example.com/specserve:0.1.0-cpu"
+    for group in groups(rs).values():
+        assert container(group)["image"] == "registry.example.com/specserve:0.1.0-gpu"
+    # An explicit tag is every pod's image.
+    rs = render({**gpu_values(), "image": {"repository": "r/s", "tag": "x"}})["RayService"]
+    assert container(rs["spec"]["rayClusterConfig"]["headGroupSpec"])["image"] == "r/s:x"
+    assert rs["spec"]["serveService"]["spec"]["type"] == "ClusterIP"

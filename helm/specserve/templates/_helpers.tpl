@@ -20,10 +20,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* The image: image.tag, or what Dockerfile.gpu / Dockerfile.cpu build
-     (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise). */}}
+     (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise;
+     the head, which holds no GPU, always -cpu): (dict "ctx" $ "head" bool). */}}
 {{- define "specserve.image" -}}
-{{- $flavor := ternary "gpu" "cpu" (eq (include "specserve.anyGpus" .) "true") -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $flavor)) -}}
+{{- $ := .ctx -}}
+{{- $flavor := ternary "gpu" "cpu" (and (not .head) (eq (include "specserve.anyGpus" $) "true")) -}}
+{{- printf "%s:%s" $.Values.image.repository ($.Values.image.tag | default (printf "%s-%s" $.Chart.AppVersion $flavor)) -}}
 {{- end -}}
 
 {{/* A replica-count bound of an AppConfig pool: (list replicasMapOrNil key), default 1. */}}
@@ -210,7 +212,7 @@ applications:
 {{- $ := .ctx -}}
 {{- $g := .group -}}
 - name: {{ .name }}
-  image: {{ $g.image | default (include "specserve.image" $) }}
+  image: {{ $g.image | default (include "specserve.image" (dict "ctx" $ "head" .head)) }}
   imagePullPolicy: {{ $.Values.image.pullPolicy }}
   {{- $res := deepCopy ($g.resources | default dict) }}
   {{- if gt (int .gpus) 0 }}
@@ -253,6 +255,14 @@ applications:
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- with $g.startupProbe }}
+  startupProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.readinessProbe }}
+  readinessProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   volumeMounts:
     - {name: shm, mountPath: /dev/shm}
     {{- if and .drafting (include "specserve.draftTlsSecret" $) }}
@@ -272,6 +282,9 @@ imagePullSecrets:
 {{- end }}
 {{- with .group.serviceAccountName }}
 serviceAccountName: {{ . }}
+{{- end }}
+{{- if not (kindIs "invalid" .group.terminationGracePeriodSeconds) }}
+terminationGracePeriodSeconds: {{ .group.terminationGracePeriodSeconds | int }}
 {{- end }}
 {{- with .group.securityContext }}
 securityContext:
@@ -301,7 +314,11 @@ affinity:
 {{- end }}
 volumes:
   - name: shm
-    emptyDir: {medium: Memory}
+    emptyDir:
+      medium: Memory
+      {{- with .group.shmSizeLimit }}
+      sizeLimit: {{ . }}
+      {{- end }}
   {{- if and .drafting (include "specserve.draftTlsSecret" $) }}
   - name: draft-tls
     secret: {secretName: {{ include "specserve.draftTlsSecret" $ }}, defaultMode: 0440}
@@ -332,4 +349,15 @@ volumes:
 {{- $_ := set $p "resources" (printf "%q" (toJson $res)) -}}
 {{- end -}}
 {{- include "specserve.rayStartParams" $p -}}
+{{- end -}}
+
+{{/* A worker group's idleTimeoutSeconds (KubeRay reads it with autoscaler v2
+     only): (dict "ctx" $ "group" $settings "name" "target"). */}}
+{{- define "specserve.idleTimeout" -}}
+{{- if not (kindIs "invalid" .group.idleTimeoutSeconds) -}}
+{{- if ne (toString .ctx.Values.autoscaler.version) "v2" -}}
+{{- fail (printf "the %s group's idleTimeoutSeconds needs KubeRay's autoscaler v2; set autoscaler.version=v2 or remove it (autoscaler.idleTimeoutSeconds applies to every group)" .name) -}}
+{{- end -}}
+idleTimeoutSeconds: {{ .group.idleTimeoutSeconds | int }}
+{{- end -}}
 {{- end -}}
