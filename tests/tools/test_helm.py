@@ -398,7 +398,7 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
         assert {"name": "SPECSERVE_API_KEY",
                 "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} in container(pod)["env"]
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-the-secret")
-    assert cfg.http.api_key_value() == "from-the-secret"
+    assert cfg.http.api_keys() == ("from-the-secret",)
     # Prometheus authenticates with the same Secret.
     endpoint = objs["PodMonitor/router"]["spec"]["podMetricsEndpoints"][0]
     assert endpoint["authorization"]["credentials"] == {"name": name, "key": key}
