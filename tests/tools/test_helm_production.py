@@ -390,3 +390,13 @@ def test_the_head_pulls_the_cpu_image_and_the_example_is_not_public():
     rs = render({**gpu_values(), "image": {"repository": "r/s", "tag": "x"}})["RayService"]
     assert container(rs["spec"]["rayClusterConfig"]["headGroupSpec"])["image"] == "r/s:x"
     assert rs["spec"]["serveService"]["spec"]["type"] == "ClusterIP"
+
+
+def test_incremental_upgrade_without_the_autoscaler_fails_at_render():
+    import helm_python as helm
+
+    values = {**gpu_values(), "autoscaler": {"enabled": False},
+              "upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade",
+                                  "clusterUpgradeOptions": INCREMENTAL_OPTIONS}}
+    with pytest.raises(helm.HelmError, match="needs KubeRay's autoscaler"):
+        render(values)
