@@ -241,7 +241,7 @@ def values_schema() -> dict:
                 "metricsFrom": {**_PEERS, "description": "Who may scrape Ray's metrics port "
                                 "(rayPorts.metricsExport); empty: nobody."},
                 "operatorFrom": {**_PEERS, "description": "KubeRay's operator, allowed on the "
-                                 "head's dashboard port (8265); empty: nobody."},
+                                 "head's dashboard (8265) and Serve ports; empty: nobody."},
             }, "Ingress NetworkPolicies: Ray's ports only between this release's pods, the "
                "draft sink on target pods only from draft pods, the Serve port from serveFrom."),
             "rayAuth": _obj({

@@ -96,7 +96,7 @@ TABLE = [
     (EVERYONE, OWN, {8000}),                # the Serve port (serveFrom: [] is any source)
     ({"draft"}, {"target"}, {SINK_PORT}),   # drafts dial the target's draft sink
     ({"prometheus"}, OWN, {8080}),          # Ray's metrics agents
-    ({"operator"}, {"head"}, {8265}),       # KubeRay's operator: Serve's REST API
+    ({"operator"}, {"head"}, {8265, 8000}),  # KubeRay's operator: Serve's API, proxy health
 ]
 
 
