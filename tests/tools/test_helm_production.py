@@ -351,6 +351,9 @@ def test_workers_have_probes_on_healthz_grace_shm_and_restricted_security():
         assert c["securityContext"] == {"allowPrivilegeEscalation": False,
                                         "capabilities": {"drop": ["ALL"]}}
         assert not any("hostPath" in v for v in spec["volumes"])
+    # KubeRay's autoscaler sidecar in the head pod too.
+    assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["securityContext"] == \
+        container(head)["securityContext"]
 
 
 def test_ray_image_runs_as_the_user_the_security_context_names():
