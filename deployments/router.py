@@ -23,6 +23,7 @@ The request path, numbered as below in `_forward`:
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 
@@ -152,6 +153,17 @@ def streaming_response(events, release, status: int = 200, headers: dict | None 
     return response
 
 
+def bearer_matches(header: str, keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header is "Bearer K" for one of keys. Every
+    key is compared, each in constant time (hmac.compare_digest), so the time
+    taken tells nothing about how much of a key was right."""
+    given = header.encode()
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given, f"Bearer {key}".encode())
+    return found
+
+
 class Router:
     def __init__(self, config: dict, target, draft_names: list[str],
                  serve_metrics: bool = True):
@@ -159,7 +171,7 @@ class Router:
         the figures as Ray Serve metrics (needs Ray)."""
         self.config = AppConfig.model_validate(config)
         self.target = target
-        self.api_key = self.config.http.api_key_value()  # api_key_env: from a Secret
+        self.api_keys = self.config.http.api_keys()  # api_key_env: from a Secret
         self.max_body = self.config.http.max_body_bytes
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
         self.choice = DraftChoice(self.config, target, draft_names, self.stats)
@@ -203,9 +215,9 @@ class Router:
     def _authorize(self, request) -> None:
         # The dashboard page holds no figures (it asks for the key and sends
         # it with every /v1/spec/stats call), so it is public like /healthz.
-        if self.api_key is None or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
+        if not self.api_keys or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        if not bearer_matches(request.headers.get("authorization", ""), self.api_keys):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            type="authentication_error", code="invalid_api_key")
 

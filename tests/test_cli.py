@@ -186,3 +186,22 @@ def test_a_deployment_that_cannot_be_placed_says_what_it_asks_and_what_is_free(
         "specserve: draft-b waits for resources: each replica asks CPU 1, 1 replica to start; "
         "free: node 127.0.0.1: CPU 0",
     ]
+
+
+def test_serve_takes_api_keys_from_a_file_not_argv(tiny_models, tmp_path, monkeypatch):
+    from specserve.cli.common import UsageError
+    from specserve.cli.serve import serve_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    t = str(tiny_models["target"])
+    keys = tmp_path / "keys"
+    keys.write_text("old-key\nnew-key\n")
+    cfg, _ = serve_config(serve_args("--target", t, "--draft", "none",
+                                     "--api-key-file", str(keys)))
+    assert cfg.http.api_key is None and cfg.http.api_keys() == ("old-key", "new-key")
+    assert "old-key" not in cfg.to_yaml()  # the Serve config carries the path only
+    with pytest.raises(UsageError, match="cannot read .*nope"):
+        serve_config(serve_args("--target", t, "--draft", "none",
+                                "--api-key-file", str(tmp_path / "nope")))
+    with pytest.raises(SystemExit):  # one source of keys on the command line
+        serve_args("--api-key", "k", "--api-key-file", str(keys))

@@ -162,6 +162,28 @@ def test_api_key_and_unknown_routes():
     asyncio.run(go())
 
 
+def test_any_of_several_keys_is_accepted_in_constant_time(monkeypatch):
+    from deployments.router import bearer_matches
+
+    monkeypatch.setenv("SPECSERVE_ROUTER_TEST_KEYS", "old-key,new-key")
+
+    async def go():
+        r = router(FakeTarget(), api_key_env="SPECSERVE_ROUTER_TEST_KEYS")
+        for header, status in (("Bearer old-key", 404), ("Bearer new-key", 404),
+                               ("Bearer old-keyX", 401), ("Bearer ", 401), ("", 401),
+                               ("Bearer old-key,new-key", 401), ("Bearer nëw", 401)):
+            got, _, _ = await answer(r, request("GET", "/nope",
+                                                headers={"authorization": header}))
+            assert got == status, header
+
+    asyncio.run(go())
+    compared = []
+    monkeypatch.setattr("deployments.router.hmac.compare_digest",
+                        lambda a, b: compared.append(b) or a == b)
+    assert bearer_matches("Bearer a", ("a", "b", "c"))
+    assert compared == [b"Bearer a", b"Bearer b", b"Bearer c"]  # no early exit
+
+
 def test_healthz_needs_a_target_replica_that_answers(monkeypatch):
     monkeypatch.setattr("deployments.router.HEALTH_WAIT_S", 0.05)
 
