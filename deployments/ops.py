@@ -16,8 +16,10 @@ import asyncio
 import logging
 import time
 
-from specserve.acceptance import branches
-from specserve.acceptance.prometheus import prometheus_text
+from specserve.acceptance import branches, catalogue
+from specserve.acceptance.outcomes import HttpOutcomes
+from specserve.acceptance.prometheus import prometheus_lines
+from specserve.acceptance.replicas import ReplicaTable
 from specserve.acceptance.stats import RequestRecord, SpecStats
 from specserve.control import pools
 
@@ -29,22 +31,23 @@ POOLS_CACHE_S = 2.0
 
 class ServeMetrics:
     """The same figures as ray.serve.metrics (exported by Ray's metrics agent
-    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics."""
+    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics.
+    Names, help, tags and buckets are the catalogue's `source="ray"` entries."""
 
     def __init__(self):
         from ray.serve.metrics import Counter, Histogram
 
-        tags = ("draft_model", "draft_replica")
-        self.draft_tokens = Counter("specserve_draft_tokens", tag_keys=tags,
-                                    description="Drafted tokens the target verified.")
-        self.accepted_tokens = Counter("specserve_accepted_tokens", tag_keys=tags,
-                                       description="Drafted tokens the target accepted.")
-        self.output_tokens = Counter("specserve_output_tokens", tag_keys=tags,
-                                     description="Tokens emitted to clients.")
-        self.ttft = Histogram("specserve_ttft_seconds", description="Time to first token.",
-                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10])
-        self.tpot = Histogram("specserve_tpot_seconds", description="Time per output token.",
-                              boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
+        def made(name):
+            m = catalogue.RAY[name]
+            if m.type == "counter":
+                return Counter(catalogue.ray_name(m), tag_keys=m.labels, description=m.help)
+            return Histogram(m.name, description=m.help, boundaries=list(m.buckets))
+
+        self.draft_tokens = made("specserve_draft_tokens_total")
+        self.accepted_tokens = made("specserve_accepted_tokens_total")
+        self.output_tokens = made("specserve_output_tokens_total")
+        self.ttft = made("specserve_ttft_seconds")
+        self.tpot = made("specserve_tpot_seconds")
 
     def observe(self, r: RequestRecord) -> None:
         tags = {"draft_model": r.report.draft_model or "none",
@@ -86,12 +89,30 @@ class OpsViews:
         self._decisions = decisions or pools.fetch
         self._pools: tuple[float, list[dict]] = (float("-inf"), [])
         self._pools_task: asyncio.Task | None = None
+        self.replicas = ReplicaTable()  # what each target replica last reported
+        self.outcomes = HttpOutcomes()
 
     def record(self, r: RequestRecord) -> None:
         """A finished sequence (from the target) into the picture and the metrics."""
         self.stats.record(r)
         if self.metrics is not None:
             self.metrics.observe(r)
+
+    def replica_report(self, report: dict) -> None:
+        """A target replica's figures (TargetServer.metrics_report)."""
+        self.replicas.update(report, time.time())
+
+    async def _refresh_replica(self) -> str | None:
+        """Ask one target replica (Serve's choice) for its figures; None, or
+        why it did not answer."""
+        method = getattr(self.target, "metrics_report", None)
+        if method is None:
+            return "unavailable: the target replica reports no figures"
+        report = await _within(method.remote(), "a target replica")
+        if isinstance(report, str):
+            return report
+        self.replica_report(report)
+        return None
 
     async def pool_rows(self) -> list[dict]:
         """Replica counts per pool from Serve's status (cached for POOLS_CACHE_S).
@@ -135,28 +156,24 @@ class OpsViews:
                 _within(self.target.draft_active.remote(), "a target replica"),
                 self.pool_rows(),
                 _within(self._decisions(), "the autoscaler")))
-        # The step after a rejection, per draft replica, from the target's draft
-        # book (specserve.acceptance.branches): branch hit rate, coverage after
-        # an accepted step vs after a rejection, wait per step.
-        counters = await self._branch_counters()
-        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(counters.items())}
-                            if isinstance(counters, dict) else counters)
+        # The step after a rejection, per draft, from the target replicas'
+        # draft books (specserve.acceptance.branches): branch hit rate,
+        # coverage after an accepted step vs after a rejection, wait per step.
+        missing = await self._refresh_replica()
+        per_draft = self.replicas.branch_totals(time.time())
+        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(per_draft.items())}
+                            if per_draft or missing is None else missing)
         return snap
 
-    async def _branch_counters(self):
-        """The target's draft-book counters per draft, or "unavailable: ..."."""
-        method = getattr(self.target, "branch_counters", None)
-        if method is None:
-            return "unavailable: the target replica reports no draft-book counters"
-        return await _within(method.remote(), "a target replica")
-
     async def metrics_text(self) -> str:
-        text = prometheus_text(self.stats, time.time())
-        text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
-        counters = await self._branch_counters()
-        if isinstance(counters, dict):
-            text += "\n".join(branches.prometheus_lines(counters)) + "\n"
-        return text
+        now = time.time()
+        await self._refresh_replica()
+        self.stats.prune(now)
+        self.replicas.prune(now)
+        lines = [*prometheus_lines(self.stats), *self.outcomes.prometheus_lines(),
+                 *pools.prometheus_lines(await self.pool_rows()),
+                 *self.replicas.prometheus_lines(now)]
+        return "\n".join(lines) + "\n"
 
 
 def _serve_deployments() -> dict:

@@ -38,7 +38,7 @@ def test_end_to_end_window_and_prometheus_text():
     e2e = s.end_to_end(now=60.0)
     assert e2e["ttft_p50_s"] == 0.2 and abs(e2e["tpot_p50_s"] - 0.2) < 1e-9
     assert s.end_to_end(now=1000.0)["requests"] == 0
-    text = prometheus_text(s, now=60.0)
+    text = prometheus_text(s)
     assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 6' in text
     assert 'specserve_accepted_per_position_total{draft_model="m",draft_replica="r",position="1"} 1' in text
     assert "# TYPE specserve_k gauge" in text
@@ -57,16 +57,29 @@ def test_goodput_target_live_figures_and_draft_lag():
     assert snap["targets"][0]["batch_size"] == 3 and snap["targets"][0]["queue_length"] == 1
     assert snap["targets"][0]["output_tokens_per_s"] == 22 / 60
     assert snap["drafts"][0]["draft_lag"] == 2.5
-    text = prometheus_text(s, now=60.0)
+    text = prometheus_text(s)
     assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
-    assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
     # Counters and histograms (since start): Prometheus takes rates and quantiles.
     assert "specserve_goodput_tokens_total 11" in text
     assert 'specserve_ttft_seconds_bucket{le="0.5"} 1' in text  # fast only
-    assert 'specserve_ttft_seconds_bucket{le="5"} 2' in text
+    assert 'specserve_ttft_seconds_bucket{le="5.0"} 2' in text
     assert 'specserve_ttft_seconds_bucket{le="+Inf"} 2' in text
     assert "specserve_ttft_seconds_count 2" in text and "specserve_ttft_seconds_sum 3.5" in text
     # TPOT: fast (1.0-0.5)/10 = 0.05 s, slow 0.1 s.
     assert 'specserve_tpot_seconds_bucket{le="0.05"} 1' in text
     assert 'specserve_tpot_seconds_bucket{le="0.1"} 2' in text
     assert "per_second" not in text and "p50" not in text  # no unaggregatable gauges
+
+
+def test_replica_rows_are_pruned_after_the_grace_period():
+    s = SpecStats(k=2, grace_s=100.0)
+    s.record(rec("m", "old", [1, 1, 0], out=5, draft_tokens=4, k=2, target="t-old", at=0.0,
+                 draft_lag=1.0))
+    s.record(rec("m", "new", [1, 1, 0], out=5, draft_tokens=4, k=2, target="t-new", at=90.0))
+    s.prune(now=150.0)
+    assert list(s.by_replica) == [("m", "new")] and list(s.by_target) == ["t-new"]
+    assert s.draft_lag == {}
+    # The per-model sum keeps what the pruned replica counted.
+    assert s.by_model["m"].requests == 2
+    text = prometheus_text(s)
+    assert 'draft_replica="old"' not in text and 'draft_replica="new"' in text
