@@ -7,7 +7,11 @@ metrics (`ServeMetrics`). The views answer at once with what they know: a
 figure that must come from a target replica or from Serve (engine counters,
 drafting requests, replica counts) is waited on for at most REMOTE_WAIT_S and
 is null (with the reason) when it did not come, e.g. while no target replica
-is up. Never does: serve requests or choose drafts.
+is up. What each target replica last reported (its engine's and draft
+sink's figures, after each call it served and at each scrape) is kept per
+replica (`specserve.acceptance.replicas.ReplicaTable`); every family on
+/metrics is catalogued (`specserve.acceptance.catalogue`). Never does: serve
+requests or choose drafts.
 """
 
 from __future__ import annotations
@@ -150,16 +154,17 @@ class OpsViews:
         # pool's active drafting requests; vLLM's engine-wide counters of that
         # replica cross-check the per-request attribution above.
         snap["router_inflight"] = sum(c.inflight.values())
-        snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"] = (
-            await asyncio.gather(
-                _within(self.target.spec_totals.remote(), "a target replica"),
-                _within(self.target.draft_active.remote(), "a target replica"),
-                self.pool_rows(),
-                _within(self._decisions(), "the autoscaler")))
+        (snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"],
+         missing) = await asyncio.gather(
+            _within(self.target.spec_totals.remote(), "a target replica"),
+            _within(self.target.draft_active.remote(), "a target replica"),
+            self.pool_rows(),
+            _within(self._decisions(), "the autoscaler"),
+            self._refresh_replica())
         # The step after a rejection, per draft, from the target replicas'
-        # draft books (specserve.acceptance.branches): branch hit rate,
-        # coverage after an accepted step vs after a rejection, wait per step.
-        missing = await self._refresh_replica()
+        # draft books (specserve.acceptance.branches), added up over the
+        # replicas that reported: branch hit rate, coverage after an accepted
+        # step vs after a rejection, wait per step.
         per_draft = self.replicas.branch_totals(time.time())
         snap["branches"] = ({d: branches.figures(c) for d, c in sorted(per_draft.items())}
                             if per_draft or missing is None else missing)
@@ -170,7 +175,7 @@ class OpsViews:
         await self._refresh_replica()
         self.stats.prune(now)
         self.replicas.prune(now)
-        lines = [*prometheus_lines(self.stats), *self.outcomes.prometheus_lines(),
+        lines = [*prometheus_lines(self.stats, now), *self.outcomes.prometheus_lines(),
                  *pools.prometheus_lines(await self.pool_rows()),
                  *self.replicas.prometheus_lines(now)]
         return "\n".join(lines) + "\n"

@@ -33,9 +33,10 @@ def _draft(m: str, rep: str) -> dict:
     return {"draft_model": m, "draft_replica": rep}
 
 
-def prometheus_lines(stats: SpecStats) -> list[str]:
+def prometheus_lines(stats: SpecStats, now: float) -> list[str]:
     """The same figures as /v1/spec/stats: counters and histograms since start
-    (rates and quantiles are Prometheus' to compute)."""
+    (rates and quantiles are Prometheus' to compute); gauges of draft replicas
+    with a request lately (`now`: the records' clock)."""
     rows = sorted(stats.by_replica.items())
     lines: list[str] = []
     for attr, name in _COUNTERS:
@@ -47,12 +48,13 @@ def prometheus_lines(stats: SpecStats) -> list[str]:
     lines += family("specserve_k", [({"draft_model": m}, stats.current_k.get(m, stats.k))
                                     for m in sorted(stats.by_model)])
     lines += family("specserve_draft_lag_tokens",
-                    [(_draft(m, rep), lag) for (m, rep), lag in sorted(stats.draft_lag.items())])
+                    [(_draft(m, rep), lag)
+                     for (m, rep), lag in sorted(stats.live_draft_lag(now).items())])
     lines += histogram_family("specserve_ttft_seconds", [({}, stats.ttft)])
     lines += histogram_family("specserve_tpot_seconds", [({}, stats.tpot)])
     lines += family("specserve_goodput_tokens_total", [({}, stats.goodput_tokens)])
     return lines
 
 
-def prometheus_text(stats: SpecStats) -> str:
-    return "\n".join(prometheus_lines(stats)) + "\n"
+def prometheus_text(stats: SpecStats, now: float) -> str:
+    return "\n".join(prometheus_lines(stats, now)) + "\n"

@@ -21,6 +21,9 @@ import dataclasses
 from specserve.acceptance import branches
 from specserve.acceptance.exposition import family, histogram_family
 
+# A replica's rows (here, and the draft replicas' in SpecStats) leave after
+# GRACE_S without a report or request: Serve gives a replica a new id on every
+# restart and scale event. Its gauges are shown only within LIVE_S.
 GRACE_S = 600.0
 LIVE_S = 60.0
 

@@ -16,6 +16,7 @@ from collections import deque
 
 from specserve.acceptance.catalogue import ITL_BUCKETS_S, TTFT_BUCKETS_S
 from specserve.acceptance.record import Acceptance, Figures, TargetReport, percentile
+from specserve.acceptance.replicas import GRACE_S, LIVE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +42,6 @@ class RequestRecord:
         return (self.duration_s - self.ttft_s) / (n - 1) if n > 1 else None
 
 
-# Per-replica rows (draft and target replicas) not seen for this long are
-# dropped: Serve gives a replica a new id on every restart and scale event.
-GRACE_S = 600.0
 
 
 @dataclasses.dataclass
@@ -126,6 +124,12 @@ class SpecStats:
             else:
                 self.by_target.pop(key[1], None)
                 self.target_live.pop(key[1], None)
+
+    def live_draft_lag(self, now: float) -> dict[tuple[str, str], float]:
+        """The lag gauges of draft replicas with a request in the last LIVE_S
+        (a dead replica's last lag is not shown)."""
+        return {key: lag for key, lag in self.draft_lag.items()
+                if now - self.last_seen.get(("draft", *key), float("-inf")) <= LIVE_S}
 
     def meets_slo(self, r: RequestRecord) -> bool:
         return r.ttft_s <= self.slo_ttft_s and (r.tpot_s or 0.0) <= self.slo_tpot_s

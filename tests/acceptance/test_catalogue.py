@@ -41,7 +41,7 @@ def full_metrics_text(draft_model="d", draft_replica="r1") -> str:
     table.update({"replica": "t1", "model_name": "tiny", "engine": SpecTotals(
         accepted_per_position=[1, 0]).snapshot(),
         "branches": {f"{draft_model}/{draft_replica}": {"branch_hits": 1}}}, now=100.0)
-    lines = [*prometheus_lines(stats), *outcomes.prometheus_lines(),
+    lines = [*prometheus_lines(stats, 100.0), *outcomes.prometheus_lines(),
              *pools.prometheus_lines(pools.replica_counts({"target": {"RUNNING": 1}},
                                                           {"target": (1, 1)})),
              *table.prometheus_lines(now=100.0)]

@@ -38,7 +38,7 @@ def test_end_to_end_window_and_prometheus_text():
     e2e = s.end_to_end(now=60.0)
     assert e2e["ttft_p50_s"] == 0.2 and abs(e2e["tpot_p50_s"] - 0.2) < 1e-9
     assert s.end_to_end(now=1000.0)["requests"] == 0
-    text = prometheus_text(s)
+    text = prometheus_text(s, now=60.0)
     assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 6' in text
     assert 'specserve_accepted_per_position_total{draft_model="m",draft_replica="r",position="1"} 1' in text
     assert "# TYPE specserve_k gauge" in text
@@ -57,7 +57,7 @@ def test_goodput_target_live_figures_and_draft_lag():
     assert snap["targets"][0]["batch_size"] == 3 and snap["targets"][0]["queue_length"] == 1
     assert snap["targets"][0]["output_tokens_per_s"] == 22 / 60
     assert snap["drafts"][0]["draft_lag"] == 2.5
-    text = prometheus_text(s)
+    text = prometheus_text(s, now=60.0)
     assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
     # Counters and histograms (since start): Prometheus takes rates and quantiles.
     assert "specserve_goodput_tokens_total 11" in text
@@ -81,5 +81,15 @@ def test_replica_rows_are_pruned_after_the_grace_period():
     assert s.draft_lag == {}
     # The per-model sum keeps what the pruned replica counted.
     assert s.by_model["m"].requests == 2
-    text = prometheus_text(s)
+    text = prometheus_text(s, now=150.0)
     assert 'draft_replica="old"' not in text and 'draft_replica="new"' in text
+
+
+def test_the_lag_gauge_of_a_draft_replica_without_requests_is_dropped():
+    s = SpecStats(k=2)
+    s.record(rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, at=50.0, draft_lag=2.5))
+    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in \
+        prometheus_text(s, now=60.0)
+    later = prometheus_text(s, now=200.0)  # 150 s without a request: dead or idle
+    assert "specserve_draft_lag_tokens{" not in later
+    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 2' in later

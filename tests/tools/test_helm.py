@@ -480,7 +480,7 @@ def exported_metric_names() -> set[str]:
     table = ReplicaTable()
     table.update({"replica": "t1", "model_name": "m", "engine": SpecTotals().snapshot(),
                   "branches": {"d/r1": {}}}, now=100.0)
-    text = prometheus_text(stats) + "\n".join(pools.prometheus_lines(
+    text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
         pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)}))) + "\n" + \
         "\n".join(table.prometheus_lines(now=100.0))
     names = exposed_names(text)
