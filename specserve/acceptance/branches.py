@@ -33,7 +33,7 @@ COUNTERS = (
     "steps_after_accepted", "covered_after_accepted", "steps_after_rejected",
     "covered_after_rejected", "steps_after_draftless", "covered_after_draftless",
     "branch_hits", "branches_buffered", "branches_dropped", "wait_rows", "wait_hits",
-    "accepted_tokens", "alpha_trials", "verified_steps", "released",
+    "accepted_tokens", "alpha_trials", "verified_steps", "released", "stream_cuts",
 )
 WAIT = ("waits", "wait_seconds", "steps")
 
@@ -83,4 +83,5 @@ PROMETHEUS = (
     ("wait_seconds", "specserve_wait_seconds_total"),
     ("steps", "specserve_proposer_steps_total"),
     ("released", "specserve_released_requests_total"),
+    ("stream_cuts", "specserve_draft_stream_cuts_total"),
 )

@@ -124,6 +124,9 @@ CATALOGUE: tuple[Metric, ...] = (
     _c("specserve_released_requests_total",
        "Requests given up: speculation.release_after_steps steps in a row without drafts.",
        TARGET + DRAFT, "target"),
+    _c("specserve_draft_stream_cuts_total",
+       "Draft streams the target's sink cut off (over its message rate, not reading "
+       "verified updates, or a sink error).", TARGET + DRAFT, "target"),
     # -- vLLM's own engine metrics, per target replica, under vLLM's names -----
     _g("vllm:num_requests_running", "Number of requests in model execution batches.", VLLM,
        "vllm"),
