@@ -79,17 +79,19 @@ async def _within(awaitable, what: str):
 
 class OpsViews:
     def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
-                 serve_status=None, decisions=None, metrics=None):
+                 serve_status=None, decisions=None, metrics=None, running_targets=None):
         """serve_status(): the Serve app's {deployment: {state: count}} (default:
         from `serve.status()`); decisions(): awaitable, the autoscaling decisions
         (default: `specserve.control.pools.fetch`, from Ray); metrics: a
-        ServeMetrics or None."""
+        ServeMetrics or None; running_targets(): the ids of the running target
+        replicas, or None when unknown (default: from Serve's details)."""
         self.stats = stats
         self.choice = choice
         self.target = target
         self.bounds = bounds
         self.metrics = metrics
         self._serve_status = serve_status or _serve_deployments
+        self._running_targets = running_targets or _running_target_replicas
         self._decisions = decisions or pools.fetch
         self._pools: tuple[float, list[dict]] = (float("-inf"), [])
         self._pools_task: asyncio.Task | None = None
@@ -136,7 +138,11 @@ class OpsViews:
             return rows if at > float("-inf") else pools.replica_counts({}, self.bounds)
 
     async def _refresh_pools(self) -> list[dict]:
+        at = time.time()
         deployments = await asyncio.to_thread(self._serve_status)
+        running = await asyncio.to_thread(self._running_targets)
+        if running is not None:
+            self.replicas.set_running(running, at)
         rows = pools.replica_counts(deployments, self.bounds)
         self._pools = (time.monotonic(), rows)
         return rows
@@ -188,6 +194,23 @@ def _serve_deployments() -> dict:
     status = serve.status().applications.get(app)
     return {name: {getattr(s, "value", str(s)): n for s, n in d.replica_states.items()}
             for name, d in (status.deployments.items() if status else ())}
+
+
+def _running_target_replicas() -> set[str] | None:
+    """The running target replicas' ids, from the Serve controller's details
+    (what Ray's dashboard shows); None when Serve cannot say (the gauges then
+    fall back to how recently each replica reported)."""
+    try:
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        app = serve.get_replica_context().app_name
+        details = _get_global_client().get_serve_details()
+        target = details["applications"][app]["deployments"]["target"]
+        return {r["replica_id"] for r in target["replicas"] if r["state"] == "RUNNING"}
+    except Exception as e:  # figures for people: never fail a view
+        log.debug("serve details unavailable: %s", e)
+        return None
 
 
 def dashboard_page():

@@ -5,8 +5,9 @@ book counters, kept per replica and exported labelled by it.
 Owns the per-replica table and its bounds: a replica's counters stay on
 /metrics for `grace_s` after it was last heard from (Serve gives a replica a
 new id on every restart and scale event, so a table keyed by id only grows);
-its gauges only while it was heard from within `live_s` (a dead replica's
-batch size is not summed into the pool's). Each replica's counters are its
+its gauges only while it is alive (a dead replica's batch size is not summed
+into the pool's): in Serve's list of running target replicas when the router
+has one (`set_running`), else heard from within `live_s`. Each replica's counters are its
 own cumulative figures: Prometheus sums them (`sum(rate(...))`), a restart is a
 new series, never a false reset. Pure: no Ray, no clock of its own.
 
@@ -38,6 +39,11 @@ class ReplicaTable:
     def __init__(self, grace_s: float = GRACE_S, live_s: float = LIVE_S):
         self.grace_s, self.live_s = grace_s, live_s
         self._rows: dict[str, _Row] = {}
+        self._running: tuple[float, set[str]] | None = None  # (at, Serve's running ids)
+
+    def set_running(self, replicas: set[str], now: float) -> None:
+        """Serve's running target replicas (ids as `serve.get_replica_context().replica_tag`)."""
+        self._running = (now, set(replicas))
 
     def update(self, report: dict, now: float) -> None:
         """report: {"replica", "model_name", "engine": {...}, "branches":
@@ -56,9 +62,16 @@ class ReplicaTable:
         return [(r, row.report) for r, row in sorted(self._rows.items())
                 if now - row.seen_at <= self.grace_s]
 
+    def _alive(self, replica: str, row: _Row, now: float) -> bool:
+        if self._running is None:
+            return now - row.seen_at <= self.live_s
+        at, running = self._running
+        # A replica that reported after Serve's list was taken is newer than it.
+        return replica in running or row.seen_at > at
+
     def _live(self, now: float) -> list[tuple[str, dict]]:
         return [(r, row.report) for r, row in sorted(self._rows.items())
-                if now - row.seen_at <= self.live_s]
+                if self._alive(r, row, now)]
 
     def branch_totals(self, now: float) -> dict[str, dict]:
         """The book counters per draft ("model/replica"), added up over target replicas."""

@@ -91,3 +91,18 @@ def test_vllm_benchmark_client_reads_the_spec_decode_counters():
     m = asyncio.run(fetch_spec_decode_metrics("http://x", session))
     assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (15, 60, 40)
     assert m.accepted_per_pos == {0: 13, 1: 11, 2: 9, 3: 7}
+
+
+def test_with_serves_list_a_replica_it_no_longer_runs_loses_its_gauges_at_once():
+    t = ReplicaTable()
+    t.update(report("t1"), now=0.0)
+    t.update(report("t2"), now=0.0)
+    t.set_running({"t2"}, now=1.0)  # t1 died (or was scaled away) a second ago
+    t.update(report("t3"), now=2.0)  # a new replica, newer than Serve's list
+    got = samples("\n".join(t.prometheus_lines(now=2.0)) + "\n")
+    running = {dict(k[1])["target_replica"] for k in got if k[0] == "vllm:num_requests_running"}
+    assert running == {"t2", "t3"}
+    # ... its counters stay until the grace period ends.
+    drafts = {dict(k[1])["target_replica"] for k in got
+              if k[0] == "vllm:spec_decode_num_drafts_total"}
+    assert drafts == {"t1", "t2", "t3"}
