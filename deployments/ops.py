@@ -174,6 +174,10 @@ class OpsViews:
         per_draft = self.replicas.branch_totals(time.time())
         snap["branches"] = ({d: branches.figures(c) for d, c in sorted(per_draft.items())}
                             if per_draft or missing is None else missing)
+        # Target replicas: those that reported (their rows on /metrics) and
+        # those Serve runs (null where Serve cannot say).
+        snap["target_replicas"] = {"reported": self.replicas.replicas(),
+                                   "running": self.replicas.running()}
         return snap
 
     async def metrics_text(self) -> str:

@@ -2,7 +2,8 @@
 
 Owns each metric's name, type, help, labels and (histograms) buckets. The
 router's /metrics (`specserve.acceptance.exposition` renders a family only
-from an entry here), its Ray Serve metrics (`deployments.ops.ServeMetrics`),
+from an entry here), its Ray Serve metrics (`deployments.ops.ServeMetrics`,
+`specserve.control.autoscale`'s gauge),
 docs/metrics.md (the table between the `catalogue` markers is
 `markdown_table()`) and the chart's Grafana dashboard (a test holds every
 query's names against `series_names()`) come from it. Pure data: no I/O.
@@ -162,7 +163,7 @@ CATALOGUE: tuple[Metric, ...] = (
     _h("specserve_ttft_seconds", "Time to first token.", TTFT_BUCKETS_S, (), "ray"),
     _h("specserve_tpot_seconds", "Time per output token.", ITL_BUCKETS_S, (), "ray"),
     _g("specserve_autoscale_desired_replicas",
-       "Replicas the autoscaling policy asks for, per pool.", ("pool",), "ray"),
+       "Replicas the specserve policy asks for (reasons: the decision log).", ("pool",), "ray"),
 )
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOGUE if m.source != "ray"}

@@ -58,6 +58,10 @@ class ReplicaTable:
     def replicas(self) -> list[str]:
         return sorted(self._rows)
 
+    def running(self) -> list[str] | None:
+        """Serve's running target replicas as last told, None if never told."""
+        return None if self._running is None else sorted(self._running[1])
+
     def _counted(self, now: float) -> list[tuple[str, dict]]:
         return [(r, row.report) for r, row in sorted(self._rows.items())
                 if now - row.seen_at <= self.grace_s]

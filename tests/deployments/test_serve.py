@@ -212,6 +212,17 @@ def test_metrics_are_prometheus_text(app):
     families = {f.name for f in text_string_to_metric_families(text)}
     assert {n.removesuffix("_total") for n in catalogue.BY_NAME} == families
     assert 'vllm:num_requests_running{model_name="tiny",engine="0",target_replica="' in text
+    # The router knows the running target replica from Serve, and it is the
+    # one that reported: its gauges are shown.
+    deadline = time.monotonic() + 60  # Serve's details come in the background
+    while True:
+        _, snap = get(f"{app.url}/v1/spec/stats")
+        running = snap["target_replicas"]["running"]
+        if running is not None or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert running and running == snap["target_replicas"]["reported"], snap["target_replicas"]
+    assert f'specserve_target_batch_size{{target_replica="{running[0]}"}}' in text
 
 
 def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):
