@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 
+from specserve.acceptance.outcomes import route_label
 from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
 from specserve.openai_api import ApiError, TargetUnavailable
@@ -183,6 +184,24 @@ class Router:
                             metrics=ServeMetrics() if serve_metrics else None)
 
     async def __call__(self, request):
+        """Every request's outcome is counted (specserve.acceptance.outcomes):
+        its status, and its end (a streamed one ends when its stream does)."""
+        from starlette.responses import StreamingResponse
+
+        route = route_label(request.url.path)
+        outcomes = self.ops.outcomes
+        outcomes.started(route)
+        try:
+            response = await self._answer(request, route)
+        except BaseException:  # cancelled: the client went away
+            outcomes.ended(route, aborted=True)
+            raise
+        outcomes.responded(route, response.status_code)
+        if not isinstance(response, StreamingResponse):
+            outcomes.ended(route)
+        return response
+
+    async def _answer(self, request, label: str):
         try:
             self._authorize(request)
             route = (request.method, request.url.path.rstrip("/") or "/")
@@ -198,7 +217,7 @@ class Router:
                 return PlainTextResponse(await self.ops.metrics_text(),
                                          media_type="text/plain; version=0.0.4")
             if route in FORWARDED:
-                return await self._forward(request, generates=FORWARDED[route])
+                return await self._forward(request, label, generates=FORWARDED[route])
             raise ApiError(404, f"no route for {request.method} {request.url.path}",
                            code="not_found")
         except ApiError as e:
@@ -256,7 +275,7 @@ class Router:
                                 f"(http.max_body_bytes)", code="request_too_large")
         return bytes(body)
 
-    async def _forward(self, request, generates: bool):
+    async def _forward(self, request, label: str, generates: bool):
         body = await self._read_body(request)  # 1.
         choice = None
         pool, k = None, 0
@@ -272,7 +291,7 @@ class Router:
         except BaseException:
             release()
             raise
-        return await self._respond(stream, start, release)  # 4.
+        return await self._respond(stream, start, release, label)  # 4.
 
     async def _call_target(self, method, path, query, headers, body, pool, k):
         for attempt in range(1, TARGET_ATTEMPTS + 1):
@@ -290,14 +309,17 @@ class Router:
                     await asyncio.sleep(DEAD_ENGINE_RETRY_S)
 
     def _take_records(self, item) -> bool:
-        """An item after the body: the target's records of finished sequences."""
+        """An item after the body: the target's records of finished sequences
+        and its replica's figures."""
         if isinstance(item, dict) and "records" in item:
             for r in item["records"]:
                 self.ops.record(r)
+            if item.get("report") is not None:
+                self.ops.replica_report(item["report"])
             return True
         return False
 
-    async def _respond(self, stream, start: dict, release):
+    async def _respond(self, stream, start: dict, release, label: str):
         status = start["status"]
         headers = {key: v for key, v in start["headers"]
                    if key.lower() not in _HOP_RESPONSE_HEADERS}
@@ -316,18 +338,25 @@ class Router:
             return Response(_openai_error_shape(bytes(body), status), status_code=status,
                             headers=headers)
 
+        finished = False  # the stream reached its end (else the client left)
+
         def free():  # a client that went away frees the engine slot
             stream.cancel()
             release()
+            self.ops.outcomes.ended(label, aborted=not finished)
 
         once = _Once(free)
 
         async def events():
+            nonlocal finished
             try:
                 async for item in stream:
                     if not self._take_records(item):
                         yield item
+                finished = True
             except Exception as e:  # the target failed mid-stream: say so, then end
+                finished = True
+                self.ops.outcomes.stream_failed(label)
                 log.warning("stream failed: %s", e)
                 err = (_target_failed(e) if _replica_failed(e) else
                        ApiError(500, f"generation failed: {e}", type="server_error"))

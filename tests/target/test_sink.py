@@ -594,11 +594,14 @@ def test_a_stream_over_its_message_rate_is_cut_off_and_others_go_on():
     try:
         good = Client(sink)
         good.open("r", [1, 2])
-        flood = Client(sink)
+        flood = Client(sink, name="flood/0")
         for i in range(200):  # far past 50 a second (one second's burst)
             flood.draft("unknown", 2, [3])
         assert wait_for(lambda: flood.status is not None)
         assert flood.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The cut is counted for that draft (specserve_draft_stream_cuts_total).
+        assert wait_for(lambda: sink.figures().get("flood/0", (None,))[0] is not None
+                        and sink.figures()["flood/0"][0].stream_cuts == 1)
         good.draft("r", 2, [3, 4])
         assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 2)
         assert good.status is None

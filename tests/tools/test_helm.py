@@ -27,8 +27,8 @@ import yaml
 
 from specserve.config import AppConfig
 
-from grafana import (PROMQL_FUNCTIONS, dashboard, exposed_names, grafana_expressions,
-                     grafana_metric_names, promql_metrics)
+from grafana import (PROMQL_FUNCTIONS, dashboard, grafana_expressions,
+                     promql_metrics)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specserve"
@@ -529,21 +529,13 @@ def test_group_overrides_that_cannot_hold_a_replica_fail_at_render(override, mes
 # ---- the Grafana dashboard ----------------------------------------------------------
 
 def exported_metric_names() -> set[str]:
-    """What specserve exports: the router's /metrics (every TYPE line of the text
-    it serves, from figures with a draft pool in them), and the metrics its code
-    registers with ray.serve.metrics, as Ray's exporter names them."""
-    from specserve.control import pools
-    from specserve.acceptance.prometheus import prometheus_text
-    from specserve.acceptance.record import Acceptance, TargetReport
-    from specserve.acceptance.stats import RequestRecord, SpecStats
+    """What specserve exports: the catalogue's series (the router's /metrics and,
+    with Ray's prefix, its Ray metrics; tests/acceptance/test_catalogue.py holds
+    /metrics to the catalogue) and any constant name the code gives
+    ray.serve.metrics' Counter/Gauge/Histogram, as Ray's exporter names them."""
+    from specserve.acceptance import catalogue
 
-    stats = SpecStats(4)
-    stats.record(RequestRecord(TargetReport("t1", "d", "r1", Acceptance(4, 10, 8, (1, 1, 1)),
-                                            draft_lag=0.5), 0.1, 0.5, 100.0))
-    stats.current_k["d"] = 4
-    text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
-        pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)})))
-    names = exposed_names(text)
+    names = catalogue.series_names()
     suffixes = {"Counter": ("", "_total"), "Gauge": ("",),
                 "Histogram": ("_bucket", "_sum", "_count")}
     for path in [*(REPO / "specserve").rglob("*.py"), *(REPO / "deployments").rglob("*.py")]:
