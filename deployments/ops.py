@@ -7,7 +7,11 @@ metrics (`ServeMetrics`). The views answer at once with what they know: a
 figure that must come from a target replica or from Serve (engine counters,
 drafting requests, replica counts) is waited on for at most REMOTE_WAIT_S and
 is null (with the reason) when it did not come, e.g. while no target replica
-is up. Never does: serve requests or choose drafts.
+is up. What each target replica last reported (its engine's and draft
+sink's figures, after each call it served and at each scrape) is kept per
+replica (`specserve.acceptance.replicas.ReplicaTable`); every family on
+/metrics is catalogued (`specserve.acceptance.catalogue`). Never does: serve
+requests or choose drafts.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import asyncio
 import logging
 import time
 
-from specserve.acceptance import branches
-from specserve.acceptance.prometheus import prometheus_text
+from specserve.acceptance import branches, catalogue
+from specserve.acceptance.outcomes import HttpOutcomes
+from specserve.acceptance.prometheus import prometheus_lines
+from specserve.acceptance.replicas import ReplicaTable
 from specserve.acceptance.stats import RequestRecord, SpecStats
 from specserve.control import pools
 
@@ -29,22 +35,23 @@ POOLS_CACHE_S = 2.0
 
 class ServeMetrics:
     """The same figures as ray.serve.metrics (exported by Ray's metrics agent
-    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics."""
+    with a `ray_` prefix), for clusters that scrape Ray rather than /metrics.
+    Names, help, tags and buckets are the catalogue's `source="ray"` entries."""
 
     def __init__(self):
         from ray.serve.metrics import Counter, Histogram
 
-        tags = ("draft_model", "draft_replica")
-        self.draft_tokens = Counter("specserve_draft_tokens", tag_keys=tags,
-                                    description="Drafted tokens the target verified.")
-        self.accepted_tokens = Counter("specserve_accepted_tokens", tag_keys=tags,
-                                       description="Drafted tokens the target accepted.")
-        self.output_tokens = Counter("specserve_output_tokens", tag_keys=tags,
-                                     description="Tokens emitted to clients.")
-        self.ttft = Histogram("specserve_ttft_seconds", description="Time to first token.",
-                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10])
-        self.tpot = Histogram("specserve_tpot_seconds", description="Time per output token.",
-                              boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5])
+        def made(name):
+            m = catalogue.RAY[name]
+            if m.type == "counter":
+                return Counter(catalogue.ray_name(m), tag_keys=m.labels, description=m.help)
+            return Histogram(m.name, description=m.help, boundaries=list(m.buckets))
+
+        self.draft_tokens = made("specserve_draft_tokens_total")
+        self.accepted_tokens = made("specserve_accepted_tokens_total")
+        self.output_tokens = made("specserve_output_tokens_total")
+        self.ttft = made("specserve_ttft_seconds")
+        self.tpot = made("specserve_tpot_seconds")
 
     def observe(self, r: RequestRecord) -> None:
         tags = {"draft_model": r.report.draft_model or "none",
@@ -72,26 +79,46 @@ async def _within(awaitable, what: str):
 
 class OpsViews:
     def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
-                 serve_status=None, decisions=None, metrics=None):
+                 serve_status=None, decisions=None, metrics=None, running_targets=None):
         """serve_status(): the Serve app's {deployment: {state: count}} (default:
         from `serve.status()`); decisions(): awaitable, the autoscaling decisions
         (default: `specserve.control.pools.fetch`, from Ray); metrics: a
-        ServeMetrics or None."""
+        ServeMetrics or None; running_targets(): the ids of the running target
+        replicas, or None when unknown (default: from Serve's details)."""
         self.stats = stats
         self.choice = choice
         self.target = target
         self.bounds = bounds
         self.metrics = metrics
         self._serve_status = serve_status or _serve_deployments
+        self._running_targets = running_targets or _running_target_replicas
         self._decisions = decisions or pools.fetch
         self._pools: tuple[float, list[dict]] = (float("-inf"), [])
         self._pools_task: asyncio.Task | None = None
+        self.replicas = ReplicaTable()  # what each target replica last reported
+        self.outcomes = HttpOutcomes()
 
     def record(self, r: RequestRecord) -> None:
         """A finished sequence (from the target) into the picture and the metrics."""
         self.stats.record(r)
         if self.metrics is not None:
             self.metrics.observe(r)
+
+    def replica_report(self, report: dict) -> None:
+        """A target replica's figures (TargetServer.metrics_report)."""
+        self.replicas.update(report, time.time())
+
+    async def _refresh_replica(self) -> str | None:
+        """Ask one target replica (Serve's choice) for its figures; None, or
+        why it did not answer."""
+        method = getattr(self.target, "metrics_report", None)
+        if method is None:
+            return "unavailable: the target replica reports no figures"
+        report = await _within(method.remote(), "a target replica")
+        if isinstance(report, str):
+            return report
+        self.replica_report(report)
+        return None
 
     async def pool_rows(self) -> list[dict]:
         """Replica counts per pool from Serve's status (cached for POOLS_CACHE_S).
@@ -111,7 +138,11 @@ class OpsViews:
             return rows if at > float("-inf") else pools.replica_counts({}, self.bounds)
 
     async def _refresh_pools(self) -> list[dict]:
+        at = time.time()
         deployments = await asyncio.to_thread(self._serve_status)
+        running = await asyncio.to_thread(self._running_targets)
+        if running is not None:
+            self.replicas.set_running(running, at)
         rows = pools.replica_counts(deployments, self.bounds)
         self._pools = (time.monotonic(), rows)
         return rows
@@ -129,34 +160,35 @@ class OpsViews:
         # pool's active drafting requests; vLLM's engine-wide counters of that
         # replica cross-check the per-request attribution above.
         snap["router_inflight"] = sum(c.inflight.values())
-        snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"] = (
-            await asyncio.gather(
-                _within(self.target.spec_totals.remote(), "a target replica"),
-                _within(self.target.draft_active.remote(), "a target replica"),
-                self.pool_rows(),
-                _within(self._decisions(), "the autoscaler")))
-        # The step after a rejection, per draft replica, from the target's draft
-        # book (specserve.acceptance.branches): branch hit rate, coverage after
-        # an accepted step vs after a rejection, wait per step.
-        counters = await self._branch_counters()
-        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(counters.items())}
-                            if isinstance(counters, dict) else counters)
+        (snap["target_engine"], snap["draft_active"], snap["pools"], snap["autoscaling"],
+         missing) = await asyncio.gather(
+            _within(self.target.spec_totals.remote(), "a target replica"),
+            _within(self.target.draft_active.remote(), "a target replica"),
+            self.pool_rows(),
+            _within(self._decisions(), "the autoscaler"),
+            self._refresh_replica())
+        # The step after a rejection, per draft, from the target replicas'
+        # draft books (specserve.acceptance.branches), added up over the
+        # replicas that reported: branch hit rate, coverage after an accepted
+        # step vs after a rejection, wait per step.
+        per_draft = self.replicas.branch_totals(time.time())
+        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(per_draft.items())}
+                            if per_draft or missing is None else missing)
+        # Target replicas: those that reported (their rows on /metrics) and
+        # those Serve runs (null where Serve cannot say).
+        snap["target_replicas"] = {"reported": self.replicas.replicas(),
+                                   "running": self.replicas.running()}
         return snap
 
-    async def _branch_counters(self):
-        """The target's draft-book counters per draft, or "unavailable: ..."."""
-        method = getattr(self.target, "branch_counters", None)
-        if method is None:
-            return "unavailable: the target replica reports no draft-book counters"
-        return await _within(method.remote(), "a target replica")
-
     async def metrics_text(self) -> str:
-        text = prometheus_text(self.stats, time.time())
-        text += "\n".join(pools.prometheus_lines(await self.pool_rows())) + "\n"
-        counters = await self._branch_counters()
-        if isinstance(counters, dict):
-            text += "\n".join(branches.prometheus_lines(counters)) + "\n"
-        return text
+        now = time.time()
+        await self._refresh_replica()
+        self.stats.prune(now)
+        self.replicas.prune(now)
+        lines = [*prometheus_lines(self.stats, now), *self.outcomes.prometheus_lines(),
+                 *pools.prometheus_lines(await self.pool_rows()),
+                 *self.replicas.prometheus_lines(now)]
+        return "\n".join(lines) + "\n"
 
 
 def _serve_deployments() -> dict:
@@ -166,6 +198,23 @@ def _serve_deployments() -> dict:
     status = serve.status().applications.get(app)
     return {name: {getattr(s, "value", str(s)): n for s, n in d.replica_states.items()}
             for name, d in (status.deployments.items() if status else ())}
+
+
+def _running_target_replicas() -> set[str] | None:
+    """The running target replicas' ids, from the Serve controller's details
+    (what Ray's dashboard shows); None when Serve cannot say (the gauges then
+    fall back to how recently each replica reported)."""
+    try:
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        app = serve.get_replica_context().app_name
+        details = _get_global_client().get_serve_details()
+        target = details["applications"][app]["deployments"]["target"]
+        return {r["replica_id"] for r in target["replicas"] if r["state"] == "RUNNING"}
+    except Exception as e:  # figures for people: never fail a view
+        log.debug("serve details unavailable: %s", e)
+        return None
 
 
 def dashboard_page():

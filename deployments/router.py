@@ -27,9 +27,11 @@ aborted.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 
+from specserve.acceptance.outcomes import route_label
 from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
 from specserve.openai_api import ApiError, TargetUnavailable
@@ -184,6 +186,17 @@ def streaming_response(events, release, status: int = 200, headers: dict | None 
     return response
 
 
+def bearer_matches(header: str, keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header is "Bearer K" for one of keys. Every
+    key is compared, each in constant time (hmac.compare_digest), so the time
+    taken tells nothing about how much of a key was right."""
+    given = header.encode()
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given, f"Bearer {key}".encode())
+    return found
+
+
 class Router:
     def __init__(self, config: dict, target, draft_names: list[str],
                  serve_metrics: bool = True):
@@ -191,7 +204,7 @@ class Router:
         the figures as Ray Serve metrics (needs Ray)."""
         self.config = AppConfig.model_validate(config)
         self.target = target
-        self.api_key = self.config.http.api_key_value()  # api_key_env: from a Secret
+        self.api_keys = self.config.http.api_keys()  # api_key_env: from a Secret
         self.max_body = self.config.http.max_body_bytes
         self.timeout_s = self.config.quotas.request_timeout_s
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
@@ -213,6 +226,24 @@ class Router:
         log.info("router settings: K=%d, request timeout %s s", self.stats.k, self.timeout_s)
 
     async def __call__(self, request):
+        """Every request's outcome is counted (specserve.acceptance.outcomes):
+        its status, and its end (a streamed one ends when its stream does)."""
+        from starlette.responses import StreamingResponse
+
+        route = route_label(request.url.path)
+        outcomes = self.ops.outcomes
+        outcomes.started(route)
+        try:
+            response = await self._answer(request, route)
+        except BaseException:  # cancelled: the client went away
+            outcomes.ended(route, aborted=True)
+            raise
+        outcomes.responded(route, response.status_code)
+        if not isinstance(response, StreamingResponse):
+            outcomes.ended(route)
+        return response
+
+    async def _answer(self, request, label: str):
         try:
             self._authorize(request)
             route = (request.method, request.url.path.rstrip("/") or "/")
@@ -228,7 +259,7 @@ class Router:
                 return PlainTextResponse(await self.ops.metrics_text(),
                                          media_type="text/plain; version=0.0.4")
             if route in FORWARDED:
-                return await self._forward(request, generates=FORWARDED[route])
+                return await self._forward(request, label, generates=FORWARDED[route])
             raise ApiError(404, f"no route for {request.method} {request.url.path}",
                            code="not_found")
         except ApiError as e:
@@ -247,9 +278,9 @@ class Router:
     def _authorize(self, request) -> None:
         # The dashboard page holds no figures (it asks for the key and sends
         # it with every /v1/spec/stats call), so it is public like /healthz.
-        if self.api_key is None or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
+        if not self.api_keys or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        if not bearer_matches(request.headers.get("authorization", ""), self.api_keys):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            type="authentication_error", code="invalid_api_key")
 
@@ -288,7 +319,7 @@ class Router:
                                 f"(http.max_body_bytes)", code="request_too_large")
         return bytes(body)
 
-    async def _forward(self, request, generates: bool):
+    async def _forward(self, request, label: str, generates: bool):
         timeout = self.timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         body = await self._read_body(request)  # 1.
@@ -310,7 +341,7 @@ class Router:
         except BaseException:
             release()
             raise
-        return await self._respond(stream, start, release, deadline)  # 4.
+        return await self._respond(stream, start, release, label, deadline)  # 4.
 
     async def _call_target(self, method, path, query, headers, body, pool, k, deadline):
         from ray.serve.exceptions import BackPressureError
@@ -332,14 +363,18 @@ class Router:
                     await asyncio.sleep(DEAD_ENGINE_RETRY_S)
 
     def _take_records(self, item) -> bool:
-        """An item after the body: the target's records of finished sequences."""
+        """An item after the body: the target's records of finished sequences
+        and its replica's figures."""
         if isinstance(item, dict) and "records" in item:
             for r in item["records"]:
                 self.ops.record(r)
+            if item.get("report") is not None:
+                self.ops.replica_report(item["report"])
             return True
         return False
 
-    async def _respond(self, stream, start: dict, release, deadline: float | None):
+    async def _respond(self, stream, start: dict, release, label: str,
+                       deadline: float | None):
         status = start["status"]
         headers = {key: v for key, v in start["headers"]
                    if key.lower() not in _HOP_RESPONSE_HEADERS}
@@ -365,13 +400,17 @@ class Router:
             return Response(_openai_error_shape(bytes(body), status), status_code=status,
                             headers=headers)
 
+        finished = False  # the stream reached its end (else the client left)
+
         def free():  # a client that went away frees the engine slot
             stream.cancel()
             release()
+            self.ops.outcomes.ended(label, aborted=not finished)
 
         once = _Once(free)
 
         async def events():
+            nonlocal finished
             try:
                 while True:
                     try:
@@ -380,7 +419,10 @@ class Router:
                         break
                     if not self._take_records(item):
                         yield item
+                finished = True
             except Exception as e:  # the target failed or took too long: say so, then end
+                finished = True
+                self.ops.outcomes.stream_failed(label)
                 log.warning("stream failed: %r", e)
                 err = (_timed_out(self.timeout_s) if isinstance(e, asyncio.TimeoutError) else
                        _target_failed(e) if _replica_failed(e) else

@@ -42,6 +42,9 @@ log = logging.getLogger("specserve.target")
 ENGINE_WATCH_S = 0.2
 DEAD_GRACE_S = 1.0
 
+# The draft book's counters in a report after an HTTP call are at most this old.
+BRANCHES_MAX_AGE_S = 1.0
+
 
 def _is_error(item) -> bool:
     """An item of vLLM's app that reports a failure: a 5xx start, or SSE chunks
@@ -117,6 +120,8 @@ class TargetServer:
             self.engine, self._open_draft, engine_k, replica_name(),
             live=lambda: (self.totals.running, self.totals.waiting),
             on_cpu=current_platform.is_cpu(), quotas=lambda: self.quotas)
+        self._branches: tuple[float, dict] = (float("-inf"), {})  # (at, counters)
+        self._branches_task: asyncio.Task | None = None
         self._app = None  # vLLM's OpenAI app, built on first use (it needs the loop)
         self._app_lock: asyncio.Lock | None = None
         threading.Thread(target=self._watch_engine, name="engine-watch", daemon=True).start()
@@ -168,7 +173,7 @@ class TargetServer:
                 elif failed:
                     item = openai_app.config_hint(item)
                 yield item
-        yield {"records": route.records}
+        yield {"records": route.records, "report": await self.metrics_report(fresh=False)}
 
     def _raise_if_dead(self) -> None:
         if self.engine.errored:
@@ -260,6 +265,27 @@ class TargetServer:
             await channel.close()
         return {d.draft: {**dict(d.counters), "waits": d.waits, "wait_seconds": d.wait_seconds,
                           "steps": d.steps} for d in msg.drafts}
+
+    async def metrics_report(self, fresh: bool = True) -> dict:
+        """This replica's figures for the router's /metrics
+        (specserve.acceptance.replicas): its engine's (vLLM's stat logger) and
+        its sink's book counters. fresh=False (after every HTTP call) answers
+        with book counters up to BRANCHES_MAX_AGE_S old and refreshes them in
+        the background; fresh=True (a scrape) waits for them."""
+        at, counters = self._branches
+        if time.monotonic() - at > BRANCHES_MAX_AGE_S:
+            if self._branches_task is None or self._branches_task.done():
+                self._branches_task = asyncio.get_running_loop().create_task(
+                    self._refresh_branches())
+            if fresh:
+                counters = await asyncio.shield(self._branches_task)
+        return {"replica": replica_name(), "model_name": self.config.target.served_name(),
+                "engine": self.totals.snapshot(), "branches": counters}
+
+    async def _refresh_branches(self) -> dict:
+        counters = await self.branch_counters()
+        self._branches = (time.monotonic(), counters)
+        return counters
 
     async def draft_active(self) -> dict:
         """Requests each draft pool is drafting for now (from one replica of each)."""

@@ -42,7 +42,8 @@ def pack_verified(verified):
     return spec_pb2.VerifiedBatch(request_ids=verified.keys,
                                   positions=verified.positions.tolist(),
                                   counts=verified.counts.tolist(),
-                                  token_ids=verified.tokens.tolist())
+                                  token_ids=verified.tokens.tolist(),
+                                  held=verified.held.tolist())
 
 
 def pack_drafts(windows: dict):
@@ -66,11 +67,13 @@ def pack_drafts(windows: dict):
                                branch_counts=bcounts, branch_token_ids=btokens)
 
 
-def unpack_verified(batch) -> list[tuple[str, int, list[int]]]:
-    """(request id, position, tokens) of each request in a VerifiedBatch."""
+def unpack_verified(batch) -> list[tuple[str, int, list[int], int]]:
+    """(request id, position, tokens, held) of each request in a VerifiedBatch
+    (held: where the sink's drafts for it end; 0 when the sink did not say)."""
     tokens = list(batch.token_ids)
+    held = list(batch.held) or [0] * len(batch.request_ids)
     out, at = [], 0
-    for rid, position, n in zip(batch.request_ids, batch.positions, batch.counts):
-        out.append((rid, position, tokens[at : at + n]))
+    for rid, position, n, h in zip(batch.request_ids, batch.positions, batch.counts, held):
+        out.append((rid, position, tokens[at : at + n], h))
         at += n
     return out

@@ -192,7 +192,6 @@ def test_a_changed_config_serve_refuses_on_sighup_leaves_the_app_as_it_was(
         tiny_models, tmp_path, capsys):
     """`specserve serve`'s SIGHUP path: the file is checked before anything is
     applied (no Ray needed to refuse it)."""
-    import argparse
     import threading
 
     import yaml
@@ -203,11 +202,29 @@ def test_a_changed_config_serve_refuses_on_sighup_leaves_the_app_as_it_was(
     good = {"target": {"model": str(tiny_models["target"]), "name": "tiny"},
             "ray": {"num_cpus": 4}}
     path.write_text(yaml.safe_dump(good))
-    args = argparse.Namespace(config=str(path), target=None, draft=None, port=None,
-                              api_key=None, host=None)
+    args = serve_args(str(path))
     cfg = checked_config(args)
     path.write_text(yaml.safe_dump({**good, "quotas": {"max_n": 0}}))
     assert reload(args, cfg, threading.Event()) is cfg
     err = capsys.readouterr().err
     assert "the changed config is refused, the app runs on as it was" in err
     assert "quotas.max_n" in err
+
+
+def test_serve_takes_api_keys_from_a_file_not_argv(tiny_models, tmp_path, monkeypatch):
+    from specserve.cli.common import UsageError
+    from specserve.cli.serve import serve_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    t = str(tiny_models["target"])
+    keys = tmp_path / "keys"
+    keys.write_text("old-key\nnew-key\n")
+    cfg, _ = serve_config(serve_args("--target", t, "--draft", "none",
+                                     "--api-key-file", str(keys)))
+    assert cfg.http.api_key is None and cfg.http.api_keys() == ("old-key", "new-key")
+    assert "old-key" not in cfg.to_yaml()  # the Serve config carries the path only
+    with pytest.raises(UsageError, match="cannot read .*nope"):
+        serve_config(serve_args("--target", t, "--draft", "none",
+                                "--api-key-file", str(tmp_path / "nope")))
+    with pytest.raises(SystemExit):  # one source of keys on the command line
+        serve_args("--api-key", "k", "--api-key-file", str(keys))

@@ -20,11 +20,11 @@ Vocabulary (per draft, over a span of counters):
                           window's length; vLLM's per-position counters do not,
                           so their estimate is low when windows are short)
 
-PromQL over the exported counters (rates over 5 minutes):
-  branch hit rate: rate(specserve_branch_hits_total[5m])
-                   / rate(specserve_steps_after_rejection_total[5m])
-  wait per step:   rate(specserve_wait_seconds_total[5m])
-                   / rate(specserve_proposer_steps_total[5m])
+PromQL over the exported counters (one series per target replica and draft):
+  branch hit rate: sum by (draft_model) (rate(specserve_branch_hits_total[5m]))
+                   / sum by (draft_model) (rate(specserve_steps_after_rejection_total[5m]))
+  wait per step:   sum(rate(specserve_wait_seconds_total[5m]))
+                   / sum(rate(specserve_proposer_steps_total[5m]))
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ COUNTERS = (
     "steps_after_accepted", "covered_after_accepted", "steps_after_rejected",
     "covered_after_rejected", "steps_after_draftless", "covered_after_draftless",
     "branch_hits", "branches_buffered", "branches_dropped", "wait_rows", "wait_hits",
-    "accepted_tokens", "alpha_trials", "verified_steps", "released",
+    "accepted_tokens", "alpha_trials", "verified_steps", "released", "stream_cuts",
 )
 WAIT = ("waits", "wait_seconds", "steps")
 
@@ -72,28 +72,16 @@ def figures(c: dict) -> dict:
     }
 
 
-_PROM = [
-    ("branch_hits", "branch_hits_total", "Steps after a rejection that found a matching branch."),
-    ("steps_after_rejected", "steps_after_rejection_total", "Steps after a rejection."),
-    ("covered_after_rejected", "covered_after_rejection_total",
-     "Steps after a rejection that found drafts (branch or bounded wait)."),
-    ("steps_after_accepted", "steps_after_accepted_total", "Steps after a fully accepted window."),
-    ("covered_after_accepted", "covered_after_accepted_total",
-     "Steps after a fully accepted window that found drafts."),
-    ("wait_seconds", "wait_seconds_total", "Seconds the proposer held steps for fresh drafts."),
-    ("steps", "proposer_steps_total", "Proposer steps with rows of this draft."),
-    ("released", "released_requests_total",
-     "Requests given up: speculation.release_after_steps steps in a row without drafts."),
-]
-
-
-def prometheus_lines(per_draft: dict[str, dict]) -> list[str]:
-    """Counters per draft ("model/replica") in Prometheus text format."""
-    lines: list[str] = []
-    for key, name, help_text in _PROM:
-        lines += [f"# HELP specserve_{name} {help_text}", f"# TYPE specserve_{name} counter"]
-        for draft, c in sorted(per_draft.items()):
-            model, _, replica = draft.rpartition("/")
-            lines.append(f'specserve_{name}{{draft_model="{model or draft}",'
-                         f'draft_replica="{replica if model else "?"}"}} {c.get(key, 0)}')
-    return lines
+# The counters' /metrics families (catalogued in specserve.acceptance.catalogue;
+# written per target replica by specserve.acceptance.replicas).
+PROMETHEUS = (
+    ("branch_hits", "specserve_branch_hits_total"),
+    ("steps_after_rejected", "specserve_steps_after_rejection_total"),
+    ("covered_after_rejected", "specserve_covered_after_rejection_total"),
+    ("steps_after_accepted", "specserve_steps_after_accepted_total"),
+    ("covered_after_accepted", "specserve_covered_after_accepted_total"),
+    ("wait_seconds", "specserve_wait_seconds_total"),
+    ("steps", "specserve_proposer_steps_total"),
+    ("released", "specserve_released_requests_total"),
+    ("stream_cuts", "specserve_draft_stream_cuts_total"),
+)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from specserve.acceptance.catalogue import ITL_BUCKETS_S, TTFT_BUCKETS_S
 from specserve.acceptance.record import Acceptance, Figures, TargetReport, percentile
+from specserve.acceptance.replicas import GRACE_S, LIVE_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +42,6 @@ class RequestRecord:
         return (self.duration_s - self.ttft_s) / (n - 1) if n > 1 else None
 
 
-# Histogram bucket bounds (seconds), the router's Ray histograms' too.
-TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
-TPOT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 
 
 @dataclasses.dataclass
@@ -69,8 +68,12 @@ class SpecStats:
     """Totals since start plus a window of recent requests for latencies and rates."""
 
     def __init__(self, k: int, window: int = 512, slo_ttft_s: float = 2.0,
-                 slo_tpot_s: float = 0.2):
+                 slo_tpot_s: float = 0.2, grace_s: float = GRACE_S):
         self.k = k
+        self.grace_s = grace_s
+        # When each replica's rows last had a request: ("draft", model,
+        # replica) or ("target", replica) -> finished_at.
+        self.last_seen: dict[tuple, float] = {}
         self.slo_ttft_s = slo_ttft_s  # goodput counts requests that meet both
         self.slo_tpot_s = slo_tpot_s
         self.target_live: dict[str, dict] = {}
@@ -83,7 +86,7 @@ class SpecStats:
         self.current_k: dict[str, int] = {}
         # Since start, for Prometheus (quantiles and rates are computed there).
         self.ttft = LatencyHistogram(TTFT_BUCKETS_S)
-        self.tpot = LatencyHistogram(TPOT_BUCKETS_S)
+        self.tpot = LatencyHistogram(ITL_BUCKETS_S)
         self.goodput_tokens = 0  # output tokens of requests that met both SLOs
 
     def record(self, r: RequestRecord) -> None:
@@ -94,6 +97,8 @@ class SpecStats:
             self.by_model.setdefault(rep.draft_model, Figures()).add(acc)
             self.by_replica.setdefault((rep.draft_model, rep.draft_replica or "?"),
                                        Figures()).add(acc)
+            self.last_seen[("draft", rep.draft_model, rep.draft_replica or "?")] = r.finished_at
+        self.last_seen[("target", rep.target_replica)] = r.finished_at
         self.by_target.setdefault(rep.target_replica, Figures()).add(acc)
         self.target_live[rep.target_replica] = {"batch_size": rep.target_running,
                                                 "queue_length": rep.target_waiting}
@@ -105,6 +110,26 @@ class SpecStats:
             self.tpot.observe(r.tpot_s)
         if self.meets_slo(r):
             self.goodput_tokens += r.output_tokens
+
+    def prune(self, now: float) -> None:
+        """Drop the rows of replicas without a request for grace_s (their
+        counters leave /metrics; the per-model and target-only sums stay)."""
+        for key, at in list(self.last_seen.items()):
+            if now - at <= self.grace_s:
+                continue
+            del self.last_seen[key]
+            if key[0] == "draft":
+                self.by_replica.pop(key[1:], None)
+                self.draft_lag.pop(key[1:], None)
+            else:
+                self.by_target.pop(key[1], None)
+                self.target_live.pop(key[1], None)
+
+    def live_draft_lag(self, now: float) -> dict[tuple[str, str], float]:
+        """The lag gauges of draft replicas with a request in the last LIVE_S
+        (a dead replica's last lag is not shown)."""
+        return {key: lag for key, lag in self.draft_lag.items()
+                if now - self.last_seen.get(("draft", *key), float("-inf")) <= LIVE_S}
 
     def meets_slo(self, r: RequestRecord) -> bool:
         return r.ttft_s <= self.slo_ttft_s and (r.tpot_s or 0.0) <= self.slo_tpot_s

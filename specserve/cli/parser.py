@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=positive_int("port"), help="HTTP port (overrides the config)")
     sv.add_argument("--host", help="address the HTTP server binds to, e.g. 0.0.0.0 in a "
                     "container (overrides the config)")
-    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the config)")
+    keys = sv.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help="require 'Authorization: Bearer KEY' for a KEY of this file (one "
+                      "per line: several for rotation); overrides the config")
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (overrides the "
+                      "config; other users of the machine can read argv: prefer "
+                      "--api-key-file)")
 
     d = sub.add_parser("distill", help="distil a small draft out of a target's own layers "
                        "(see specserve/tools/distill/)")

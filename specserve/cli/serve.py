@@ -60,8 +60,11 @@ def serve_config(args):
             d if d == DEFAULT_DRAFT_KEYWORD else model_dir(d, "draft") for d in drafts]
         base = cfg
         cfg = base.with_overrides(target=target, drafts=drafts, port=args.port,
-                                  api_key=args.api_key, host=args.host)
+                                  api_key=args.api_key, api_key_file=args.api_key_file,
+                                  host=args.host)
         cfg = _share_local_cores(base, cfg, target, drafts, args)
+        if args.api_key_file:
+            cfg.http.api_keys()  # a missing or empty key file: one line now, not a 500 later
     except ConfigError as e:
         raise UsageError(str(e).replace("\n", "; ")) from None
     cpus = local_cluster_cpus(cfg)
@@ -101,7 +104,8 @@ def _share_local_cores(base, cfg, target, drafts, args):
     if cpus is None or not drafts or len(drafts) < 2 or not local_fit_problem(cfg, cpus):
         return cfg
     shared = base.with_overrides(target=target, drafts=drafts, port=args.port,
-                                 api_key=args.api_key, share_draft_cpus=True, host=args.host)
+                                 api_key=args.api_key, api_key_file=args.api_key_file,
+                                 share_draft_cpus=True, host=args.host)
     if local_fit_problem(shared, cpus):
         return cfg  # sharing does not help: the caller refuses with the figures
     each = shared.drafts[0].resources.cpus_per_worker

@@ -268,8 +268,15 @@ class HttpConfig(_Strict):
         None, description="Name of an environment variable holding the bearer token, read by "
                           "the router when it starts: keeps the key out of the config, which "
                           "anyone who can read a RayService or the Ray dashboard can read (the "
-                          "Helm chart fills it from a Secret). Use instead of api_key. "
+                          "Helm chart fills it from a Secret). Several keys (rotation: old and "
+                          "new) are separated by commas or whitespace. Use instead of api_key. "
                           "Null: api_key decides.")
+    api_key_file: str | None = Field(
+        None, description="Path of a file holding the bearer token, read by the router when it "
+                          "starts (on its node): keeps the key out of the config and out of "
+                          "argv (`specserve serve --api-key-file`). Several keys (rotation) "
+                          "one per line; '#' starts a comment. Null: api_key or api_key_env "
+                          "decides.")
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1, description="Largest request body accepted, bytes; "
                                            "larger requests get HTTP 413.")
@@ -298,23 +305,47 @@ class HttpConfig(_Strict):
                              "letters, digits and '_' (e.g. SPECSERVE_API_KEY)")
         return v
 
+    @field_validator("api_key_file")
+    @classmethod
+    def _api_key_file_not_empty(cls, v):
+        return _require_non_empty(v, "api_key_file")
+
     @model_validator(mode="after")
     def _one_key_source(self):
-        if self.api_key is not None and self.api_key_env is not None:
-            raise ValueError("set api_key or api_key_env, not both")
+        given = [k for k in ("api_key", "api_key_env", "api_key_file")
+                 if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"set one of api_key, api_key_env, api_key_file, not "
+                             f"{' and '.join(given)}")
         return self
 
-    def api_key_value(self) -> str | None:
-        """The bearer token clients must send (None: no authentication); with
-        api_key_env, read from the environment now."""
-        if self.api_key_env is None:
-            return self.api_key
-        value = os.environ.get(self.api_key_env, "")
-        if not value.strip():
-            raise ConfigError(f"http.api_key_env: the environment variable {self.api_key_env} "
-                              "is not set or empty; set it (the Helm chart fills it from its "
-                              "Secret) or remove api_key_env")
-        return value
+    def api_keys(self) -> tuple[str, ...]:
+        """The bearer tokens any of which a client may send (empty: no
+        authentication). api_key_env and api_key_file are read now; either may
+        hold several keys, so a key is rotated by adding the new one, moving
+        the clients, then removing the old one."""
+        if self.api_key is not None:
+            return (self.api_key,)
+        if self.api_key_env is not None:
+            keys = tuple(os.environ.get(self.api_key_env, "").replace(",", " ").split())
+            if not keys:
+                raise ConfigError(f"http.api_key_env: the environment variable "
+                                  f"{self.api_key_env} is not set or empty; set it (the Helm "
+                                  "chart fills it from its Secret) or remove api_key_env")
+            return keys
+        if self.api_key_file is not None:
+            try:
+                text = Path(self.api_key_file).read_text()
+            except OSError as e:
+                raise ConfigError(f"http.api_key_file: cannot read {self.api_key_file} "
+                                  f"({e.strerror}); it must exist on the router's node") from None
+            keys = tuple(line.strip() for line in text.splitlines()
+                         if line.strip() and not line.strip().startswith("#"))
+            if not keys:
+                raise ConfigError(f"http.api_key_file: {self.api_key_file} holds no key; "
+                                  "write one key per line")
+            return keys
+        return ()
 
 
 class RayConfig(_Strict):
@@ -426,6 +457,7 @@ class AppConfig(_Strict):
 
     def with_overrides(self, target: str | None = None, drafts: list[str] | None = None,
                        port: int | None = None, api_key: str | None = None,
+                       api_key_file: str | None = None,
                        share_draft_cpus: bool = False, host: str | None = None) -> AppConfig:
         """A new config with the CLI's flags applied; None leaves a setting as it is.
 
@@ -470,9 +502,11 @@ class AppConfig(_Strict):
             data["http"]["port"] = port
         if host is not None:
             data["http"]["host"] = host
-        if api_key is not None:
-            data["http"]["api_key"] = api_key
-            data["http"]["api_key_env"] = None  # the flag's key replaces the variable's
+        if api_key is not None or api_key_file is not None:
+            # The flag's key replaces the config's source of keys.
+            data["http"].update(api_key=api_key, api_key_env=None,
+                                api_key_file=None if api_key_file is None
+                                else str(Path(api_key_file).resolve()))
         # Validate again: an override can break a cross-field rule (e.g. drafts
         # added to a K=0 config).
         return AppConfig.from_dict(data, source="command line")

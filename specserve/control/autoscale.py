@@ -108,12 +108,14 @@ def _export(pool: str, decision: Decision) -> None:
     try:
         from ray.serve.metrics import Gauge
 
+        from specserve.acceptance import catalogue
+
         # One series per pool: the reason (free text with figures in it) goes
         # to the decision log (log line, /v1/spec/stats, /dashboard), never a
         # label, which would make a new series for every decision.
-        Gauge("specserve_autoscale_desired_replicas",
-              description="Replicas the specserve policy asks for (reasons: the decision log).",
-              tag_keys=("pool",)).set(decision.replicas, tags={"pool": pool})
+        m = catalogue.RAY["specserve_autoscale_desired_replicas"]
+        Gauge(m.name, description=m.help, tag_keys=m.labels).set(decision.replicas,
+                                                                 tags={"pool": pool})
     except Exception:  # metrics are best effort; the decision stands
         pass
 

@@ -21,6 +21,8 @@ import dataclasses
 import logging
 from collections import deque
 
+from specserve.acceptance.exposition import family
+
 log = logging.getLogger("specserve.control.pools")
 
 DECISIONS_ACTOR = "specserve-autoscale-decisions"
@@ -90,11 +92,8 @@ def replica_counts(deployments: dict[str, dict[str, int]],
 
 
 def prometheus_lines(pools: list[dict]) -> list[str]:
-    lines = ["# HELP specserve_pool_replicas Running replicas per pool (target or draft model).",
-             "# TYPE specserve_pool_replicas gauge"]
-    for row in pools:
-        lines.append(f'specserve_pool_replicas{{pool="{row["pool"]}"}} {row["running"]}')
-    return lines
+    return family("specserve_pool_replicas", [({"pool": row["pool"]}, row["running"])
+                                              for row in pools])
 
 
 # ---- Ray glue -------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """SinkLink: a draft replica's stream to one target's draft sink.
 
 Owns one long-lived bidirectional gRPC stream (many requests on it), its
-reconnects, and the protobuf conversion on the draft side. Drafts are
-coalesced: `send_draft` keeps the latest window per request, and once per turn
-of the event loop (a draft step of the engine) every request's latest window
-goes out in one DraftBatch message. Outgoing messages go through a bounded
-queue and are dropped when it is full: drafts are hints, and the next message
-re-sends the whole window anyway. After a reconnect every live
-request is opened again from its verified history (the sink forgot the old
-stream's requests).
+reconnects, and the protobuf conversion on the draft side. Its caller hands it
+whole windows; what goes on the wire are deltas (`specserve.draft.sent`): the
+tokens the sink does not hold yet and each branch once. They are coalesced:
+once per turn of the event loop (a draft step of the engine) what every
+request drafted goes out in one DraftBatch message. Outgoing messages go
+through a bounded queue and are dropped when it is full: drafts are hints, and
+the sink's next verified update says what it lacks (`held`), which is sent
+again. After a reconnect every live request is opened again from its verified
+history (the sink forgot the old stream's requests).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
+from specserve.draft.sent import SentWindows
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 from specserve import wire
 from specserve.wire import DRAFT_NAME_KEY, pack_drafts, unpack_verified
@@ -59,8 +61,10 @@ class SinkLink:
         # None while messages arrive. A sink down for long means its target is gone.
         self.down_since: float | None = None
         self.batches = 0  # DraftBatch messages sent
-        # request id -> its latest window (position, tokens, branches), not sent yet
-        self._pending: dict[str, tuple] = {}
+        self.tokens_sent = 0  # drafted tokens put on the wire (branch tokens too)
+        self._sent = SentWindows()
+        # request id -> (from where its window goes out, its new branches), not sent yet
+        self._pending: dict[str, tuple[int, list]] = {}
         self._flush_at_turn = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{address}")
 
@@ -73,9 +77,18 @@ class SinkLink:
 
     def send_draft(self, rid: str, position: int, tokens: list[int],
                    branches: list[tuple[int, list[int]]] = ()) -> None:
-        """A request's window from `position` on (and its branches); a later
-        window of the same request in the same loop turn replaces it."""
-        self._pending[rid] = (position, tokens, branches)
+        """A request's whole window from its verified position on (and its
+        branches); what of it the sink lacks goes out at the end of this
+        loop turn, with whatever else the request drafted in it."""
+        delta = self._sent.delta(rid, position, tokens, branches)
+        if delta is not None:
+            self._queue_delta(rid, *delta)
+
+    def _queue_delta(self, rid: str, start: int, branches: list) -> None:
+        pending = self._pending.get(rid)
+        if pending is not None:
+            start, branches = min(start, pending[0]), pending[1] + branches
+        self._pending[rid] = (start, branches)
         if not self._flush_at_turn:
             self._flush_at_turn = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -84,13 +97,18 @@ class SinkLink:
         self._flush_at_turn = False
         if not self._pending:
             return
-        batch = pack_drafts(self._pending)
+        windows = {}
+        for rid, (start, branches) in self._pending.items():
+            position, tokens = self._sent.tokens_from(rid, start)
+            windows[rid] = (position, tokens, branches)
+            self.tokens_sent += len(tokens) + sum(len(b) for _, b in branches)
         self._pending.clear()
         self.batches += 1
-        self._put(spec_pb2.DraftMessage(batch=batch))
+        self._put(spec_pb2.DraftMessage(batch=pack_drafts(windows)))
 
     def close_request(self, rid: str) -> None:
         self._pending.pop(rid, None)  # a window for a request we close is moot
+        self._sent.forget(rid)
         self._put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id=rid)))
 
     def _put(self, msg) -> None:
@@ -109,6 +127,8 @@ class SinkLink:
         while not self._closed:
             channel = self._channel_factory(self.address)
             queue: asyncio.Queue = asyncio.Queue(maxsize=self._max_queued)
+            self._sent.clear()  # a new stream: the sink holds nothing of ours
+            self._pending.clear()
             try:
                 for rid, ticket, verified, drafts in self._snapshot(self):
                     queue.put_nowait(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(
@@ -126,7 +146,10 @@ class SinkLink:
                     self.down_since = None
                     kind = msg.WhichOneof("kind")
                     if kind == "verified":
-                        for rid, position, tokens in unpack_verified(msg.verified):
+                        for rid, position, tokens, held in unpack_verified(msg.verified):
+                            again = self._sent.heard(rid, position, tokens, held)
+                            if again is not None:  # the sink lacks some of what we sent
+                                self._queue_delta(rid, *again)
                             self._on_verified(rid, position, tokens)
                     elif kind == "release":
                         if self._on_release is not None:

@@ -3,10 +3,11 @@
 Owns, per request, the draft's speculative sequence S (prompt + verified tokens +
 drafted tokens) and its verified length, and keeps S up to `lookahead` (W) tokens
 past the verified position by running the draft model in segments. Every token
-is streamed to the target's sink as soon as it exists, as the whole window from
-the verified position on (so the sink can check it against what it has). When
-the target verifies tokens that differ from S (a rejection) or runs past S, the
-current segment is aborted and drafting restarts from the verified history.
+is handed to the target's sink link as soon as it exists, as the whole window
+from the verified position on; the link sends what the sink lacks
+(specserve/draft/sent.py). When the target verifies tokens that differ from S
+(a rejection) or runs past S, the current segment is aborted and drafting
+restarts from the verified history.
 
 Branches (pre-drafted outcomes). With a BranchPlan and a model that can branch,
 every window also carries branches: at window offset j, fan_out(α, ...) of the
@@ -63,8 +64,10 @@ class VllmDraftModel:
         self.max_model_len = max_model_len
         self.fan_out = fan_out
         self._alts: dict[str, dict[int, list[int]]] = {}  # request -> position -> next-best
-        self._conts: dict[tuple[str, int, int], list[int]] = {}  # (request, fork, alt) -> tokens
-        self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
+        # request -> (fork, alt) -> its continuation so far / the task drafting it
+        # (by request: a step touches one request's, whatever the batch)
+        self._conts: dict[str, dict[tuple[int, int], list[int]]] = {}
+        self._tasks: dict[str, dict[tuple[int, int], asyncio.Task]] = {}
 
     def _params(self, max_tokens: int, logprobs: int | None):
         from vllm import SamplingParams
@@ -105,26 +108,27 @@ class VllmDraftModel:
         """The next-best tokens at `fork`, each with as much of its continuation
         as the engine has drafted so far (started on first request)."""
         out = []
+        tasks = self._tasks.setdefault(request_id, {})
+        conts = self._conts.setdefault(request_id, {})
         for alt in self._alts.get(request_id, {}).get(fork, [])[:count]:
-            key = (request_id, fork, alt)
-            if key not in self._tasks:
-                self._conts[key] = []
-                self._tasks[key] = asyncio.get_running_loop().create_task(
-                    self._continue(key, list(tokens[:fork]) + [alt], length))
-            out.append([alt, *self._conts.get(key, [])])
+            key = (fork, alt)
+            if key not in tasks:
+                cont = conts[key] = []
+                tasks[key] = asyncio.get_running_loop().create_task(
+                    self._continue(f"{request_id}@{fork}:{alt}", cont,
+                                   list(tokens[:fork]) + [alt], length))
+            out.append([alt, *conts[key]])
         return out
 
-    async def _continue(self, key, prefix: list[int], length: int) -> None:
+    async def _continue(self, engine_id: str, cont: list[int], prefix: list[int],
+                        length: int) -> None:
         from vllm.inputs import TokensPrompt
 
-        rid, fork, alt = key
         gen = self.engine.generate(TokensPrompt(prompt_token_ids=prefix),
-                                   self._params(length, None), f"{rid}@{fork}:{alt}")
+                                   self._params(length, None), engine_id)
         try:
             async for out in gen:
-                if key not in self._conts:
-                    return
-                self._conts[key].extend(out.outputs[0].token_ids)
+                cont.extend(out.outputs[0].token_ids)
         except asyncio.CancelledError:
             pass
         finally:
@@ -139,10 +143,15 @@ class VllmDraftModel:
                 del alts[p]
             if before is None:
                 del self._alts[request_id]
-        for key in [k for k in self._tasks if k[0] == request_id
-                    and (before is None or k[1] < before)]:
-            self._tasks.pop(key).cancel()
-            self._conts.pop(key, None)
+        tasks = self._tasks.get(request_id)
+        if tasks is None:
+            return
+        conts = self._conts[request_id]
+        for key in [k for k in tasks if before is None or k[0] < before]:
+            tasks.pop(key).cancel()
+            conts.pop(key, None)
+        if before is None:
+            del self._tasks[request_id], self._conts[request_id]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,12 +227,13 @@ class _Request:
         end = min(len(self.tokens), len(self.verified))
         return start >= end or self.tokens[start:end] == self.verified[start:end]
 
-    def roll_back(self) -> bool:
+    def roll_back(self, since: int = 0) -> bool:
         """Restart from the verified history, on our branch for it if we have
-        one. Returns whether a branch was taken."""
+        one; S and the history agree before `since` (a scan from there, not
+        from the prompt's start). Returns whether a branch was taken."""
         v = self.verified
-        p = next((i for i in range(min(len(self.tokens), len(v))) if self.tokens[i] != v[i]),
-                 None)
+        p = next((i for i in range(since, min(len(self.tokens), len(v)))
+                  if self.tokens[i] != v[i]), None)
         branch = self.branches.get((p, v[p])) if p is not None else None
         self.branches = {}
         self.epoch += 1
@@ -370,7 +380,7 @@ class DraftRunner:
             # The target rejected one of our tokens: restart from its history
             # (on our branch for its token, if we drafted one).
             self.stats.rejections += 1
-            if req.roll_back():
+            if req.roll_back(since=position):
                 self.stats.branches_taken += 1
             self.stats.rollbacks += 1
         else:
@@ -437,7 +447,7 @@ class DraftRunner:
             req.tokens.extend(new)
             self.stats.drafted_tokens += len(new)
             if not req.agrees(start):
-                req.roll_back()  # we guessed a token the target already decided otherwise
+                req.roll_back(since=start)  # we guessed a token the target decided otherwise
                 self.stats.rollbacks += 1
                 return True
             v = len(req.verified)

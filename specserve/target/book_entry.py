@@ -34,24 +34,27 @@ class VerifiedUpdate:
     position: int
     token_ids: list[int]
     stream: Hashable = None  # the draft stream it goes to
+    held: int = 0  # where the book's drafted tokens for it end after the step
 
 
 @dataclasses.dataclass
 class Verified:
     """The verified tokens of one step for the drafts, packed: update i is
     request keys[i] (attached to streams[i]) at positions [positions[i],
-    positions[i] + counts[i]), its tokens the next counts[i] of `tokens`."""
+    positions[i] + counts[i]), its tokens the next counts[i] of `tokens`;
+    the book holds its drafted tokens up to held[i] after the step."""
 
     keys: list
     streams: list
     positions: np.ndarray
     counts: np.ndarray
     tokens: np.ndarray
+    held: np.ndarray
 
     @classmethod
     def none(cls) -> "Verified":
         empty = np.zeros(0, np.int64)
-        return cls([], [], empty, empty, empty)
+        return cls([], [], empty, empty, empty, empty)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -67,14 +70,14 @@ class Verified:
         return {sid: Verified([self.keys[i] for i in rows], [sid] * len(rows),
                               self.positions[rows], self.counts[rows],
                               np.concatenate([self.tokens[ends[i] - self.counts[i]:ends[i]]
-                                              for i in rows]))
+                                              for i in rows]), self.held[rows])
                 for sid, rows in which.items()}
 
     def updates(self) -> list[VerifiedUpdate]:
         out, at = [], 0
-        for key, stream, pos, n in zip(self.keys, self.streams, self.positions.tolist(),
-                                       self.counts.tolist()):
-            out.append(VerifiedUpdate(key, pos, self.tokens[at : at + n].tolist(), stream))
+        for key, stream, pos, n, held in zip(self.keys, self.streams, self.positions.tolist(),
+                                             self.counts.tolist(), self.held.tolist()):
+            out.append(VerifiedUpdate(key, pos, self.tokens[at : at + n].tolist(), stream, held))
             at += n
         return out
 

@@ -45,10 +45,12 @@ class WindowIngest:
 
         Each window overlapping what the book holds must agree with it: one
         built on another history (stale, or after a rejection the draft has not
-        heard of yet) is dropped, its branches too. Past the verified
-        positions the newer window wins where they differ. A branch must fork
-        inside its window at a position not yet verified, with a token other
-        than S's there. stream: the sender (None: any); a request attached to
+        heard of yet) is dropped, its branches too; so is one that leaves a gap
+        after what the book holds. Past the verified positions the newer window
+        wins where they differ. Windows are usually deltas (what the draft has
+        not sent yet). A branch must fork at a position not yet verified that
+        the book holds a drafted token for (from this window or an earlier
+        one), with a token other than that one. stream: the sender (None: any); a request attached to
         another stream (or to none) is unknown to it. Returns (main tokens
         added per entry, [(key, BookError)] for the entries refused).
         """
@@ -136,17 +138,16 @@ class WindowIngest:
         added[ei] = take
         self.stats.draft_tokens_buffered += int(take.sum())
         if len(branch_of):
-            window_end = np.minimum(pos + cnt, store.L[s])
             entry_row = np.full(n, -1, np.int64)
             entry_row[ei] = np.arange(len(ei))
             row = entry_row[branch_of]
             keep = row >= 0
             keep[keep] = ~stale[row[keep]]
-            self._add_branches(s, pos, window_end, sidx[ei], row[keep], forks[keep],
+            self._add_branches(s, sidx[ei], row[keep], forks[keep],
                                bcounts[keep], btokens, (np.cumsum(bcounts) - bcounts)[keep])
         return added, errors
 
-    def _add_branches(self, s, pos, window_end, sidx, row, forks, bcounts, btokens, bstart) -> None:
+    def _add_branches(self, s, sidx, row, forks, bcounts, btokens, bstart) -> None:
         """Branches of the live windows (row: the window of each)."""
         if not len(row):
             return
@@ -158,7 +159,7 @@ class WindowIngest:
         bt = btokens[np.minimum(bstart[:, None] + j, max(len(btokens) - 1, 0))] \
             if len(btokens) else np.zeros((len(row), mbl), np.int64)
         first = bt[:, 0]
-        ok = (bl > 0) & (np.maximum(pos[row], store.V[bs]) <= forks) & (forks < window_end[row])
+        ok = (bl > 0) & (store.V[bs] <= forks) & (forks < store.L[bs])
         ok &= first != store.ring[bs, forks & (W - 1)]
         same = (store.fork[bs] == forks[:, None]) & (store.btok[bs, :, 0] == first[:, None])
         exists = same.any(1)

@@ -46,6 +46,7 @@ class BookStats:
     wait_rows: int = 0  # steps after a step with drafts that found none (could wait)
     wait_hits: int = 0  # ... that got drafts within the bounded wait (refill)
     released: int = 0  # requests given up: release_after steps in a row without drafts
+    stream_cuts: int = 0  # the draft's streams the sink cut off (flood, not reading, error)
 
     @property
     def alpha(self) -> float | None:

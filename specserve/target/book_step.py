@@ -267,7 +267,8 @@ class EngineStep:
             flat = tok[rows[ui][:, None], np.minimum(start[:, None] + j, (n[ui] - 1)[:, None])][m]
             streams = self._streams
             verified = Verified([key_of[x] for x in s[ui].tolist()],
-                                [streams[x] for x in sidx[ui].tolist()], start, count, flat)
+                                [streams[x] for x in sidx[ui].tolist()], start, count, flat,
+                                store.L[s[ui]].copy())
             store.reported[s[ui]] = n[ui]
         return proposals, verified
 

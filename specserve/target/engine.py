@@ -14,6 +14,7 @@ and shutdown, CPU binding) is `specserve.engine`'s. It never routes requests.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specserve.acceptance.catalogue import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
+from specserve.acceptance.stats import LatencyHistogram
 from specserve.control.stepcost import StepCostFit
 from specserve.engine import (EngineSettings, apply_cpu_env, engine_args, shutdown_engine,
                               start_engine)
@@ -47,15 +50,65 @@ class SpecTotals:
     steps: int = 0  # engine steps that produced output (prefill or decode)
     running: int = 0  # the engine's batch and queue at its last step
     waiting: int = 0
+    # The rest of what vLLM's Prometheus logger exports (vllm/v1/metrics/
+    # loggers.py), for /metrics under vLLM's names (specserve.acceptance.replicas).
+    kv_cache_usage: float = 0.0  # at the last step, 1.0 = full
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: LatencyHistogram = dataclasses.field(
+        default_factory=lambda: LatencyHistogram(TTFT_BUCKETS_S))
+    itl: LatencyHistogram = dataclasses.field(
+        default_factory=lambda: LatencyHistogram(ITL_BUCKETS_S))
+    tpot: LatencyHistogram = dataclasses.field(  # per finished request
+        default_factory=lambda: LatencyHistogram(ITL_BUCKETS_S))
+    e2e: LatencyHistogram = dataclasses.field(
+        default_factory=lambda: LatencyHistogram(E2E_BUCKETS_S))
     # Called with (tokens a decode step verified, seconds since the previous
     # step) for each decode step that followed a busy one: what the step-cost
     # fit is fed with.
     step_observer: Callable[[int, float], None] | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     _last_step: float | None = None
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def add_engine_stats(self, scheduler_stats, iteration_stats) -> None:
+        """The figures vLLM's PrometheusStatLogger.record takes from a step."""
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+            self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+        if iteration_stats is None:
+            return
+        self.prompt_tokens += iteration_stats.num_prompt_tokens
+        self.generation_tokens += iteration_stats.num_generation_tokens
+        for v in iteration_stats.time_to_first_tokens_iter:
+            self.ttft.observe(v)
+        for v in iteration_stats.inter_token_latencies_iter:
+            self.itl.observe(v)
+        for f in iteration_stats.finished_requests:
+            self.e2e.observe(f.e2e_latency)
+            self.tpot.observe(f.mean_time_per_output_token)
+
+    def snapshot(self) -> dict:
+        """The engine's figures now, as plain values (copies)."""
+        with self.lock:
+            return copy.deepcopy({"running": self.running, "waiting": self.waiting,
+                "kv_cache_usage": self.kv_cache_usage,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
+                "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens,
+                "num_drafts": self.num_drafts, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "ttft": self.ttft, "itl": self.itl, "tpot": self.tpot, "e2e": self.e2e})
 
 
 def spec_counter_factory():
@@ -63,7 +116,7 @@ def spec_counter_factory():
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     totals = SpecTotals()
-    lock = threading.Lock()
+    lock = totals.lock
 
     class SpecCounters(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):
@@ -84,9 +137,8 @@ def spec_counter_factory():
                     rows = max(iteration_stats.num_generation_tokens - accepted, 0)
                     totals.step_observer(rows + drafted, now - totals._last_step)
                 totals._last_step = now
-            if scheduler_stats is not None:
-                totals.running = scheduler_stats.num_running_reqs
-                totals.waiting = scheduler_stats.num_waiting_reqs
+            with lock:
+                totals.add_engine_stats(scheduler_stats, iteration_stats)
             if sd is None:
                 return
             with lock:

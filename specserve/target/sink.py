@@ -359,6 +359,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 st = self._book.stream_stats.pop(stream.id, None)
                 if st is not None:
                     self._retired.setdefault(stream.name, BookStats()).add(st)
+                if stream.abort is not None:
+                    self._retired.setdefault(stream.name, BookStats()).stream_cuts += 1
             log.info("draft stream %d closed (%d requests detached); book: %s",
                      stream.id, dropped, self._book.stats)
         if stream.abort is not None:

@@ -6,8 +6,8 @@ rejects at install time what `specserve serve` would reject at load time
 (unknown keys, wrong types, out-of-range numbers; cross-field rules such as
 min <= max replicas are checked by AppConfig when the app starts). The other
 keys describe the Kubernetes side of the chart (image, head and worker groups,
-Serve service, API key Secret, GCS fault tolerance, monitoring, Grafana
-dashboard); `global` is accepted so the chart works as a subchart.
+Serve service, API key Secret, GCS fault tolerance, Ray's ports, NetworkPolicies,
+Ray token authentication, the draft stream's TLS, monitoring, Grafana dashboard); `global` is accepted so the chart works as a subchart.
 
 `make helm-schema` (python -m specserve.tools.chart) writes the file; a test checks
 the checked-in file equals what this generates.
@@ -36,6 +36,9 @@ def _nullable(schema: dict) -> dict:
 
 
 _MAP_OF_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+_PEERS = {"type": "array", "items": {"type": "object"}}
+_RAY_PORTS = ("objectManager", "nodeManager", "runtimeEnvAgent", "dashboardAgentGrpc",
+              "dashboardAgentListen", "metricsExport", "minWorker", "maxWorker")
 _RESOURCES = {
     "type": "object",
     "description": "Kubernetes container resources (requests, limits). For worker groups, "
@@ -88,6 +91,22 @@ def _pod_settings(what: str) -> dict:
         "topologySpreadConstraints": {"type": "array", "items": {"type": "object"},
                                       "description": f"How the {what} pods spread over "
                                                      "zones or nodes."},
+        "terminationGracePeriodSeconds": _nullable({
+            "type": "integer", "minimum": 0,
+            "description": f"Seconds a stopping {what} pod has to finish its streams before "
+                           "it is killed. Null: Kubernetes' 30."}),
+        "shmSizeLimit": _nullable({
+            "type": ["string", "integer"],
+            "description": f"Size of the {what} pods' /dev/shm (an emptyDir in memory, counted "
+                           "against the pod's memory), e.g. 16Gi. Null: no limit."}),
+        "startupProbe": _nullable({
+            "type": "object", "description": f"The {what} container's startupProbe (a "
+                                             "Kubernetes Probe). Null: none."}),
+        "readinessProbe": _nullable({
+            "type": "object", "description": f"The {what} container's readinessProbe. "
+                                             "Null: KubeRay's own."}),
+        "image": _nullable({"type": "string", "description": f"Image of the {what} pods. "
+                            "Null: image.repository:tag."}),
     }
 
 
@@ -99,10 +118,46 @@ def _worker_group(what: str, gpus: str, bounds: str) -> dict:
                                   "description": f"Fewest pods. Null: {bounds} min_replicas."}),
         "maxReplicas": _nullable({"type": "integer", "minimum": 0,
                                   "description": f"Most pods. Null: {bounds} max_replicas."}),
-        "image": _nullable({"type": "string", "description": "Image of this group. "
-                                                             "Null: image.repository:tag."}),
+        "idleTimeoutSeconds": _nullable({
+            "type": "integer", "minimum": 0,
+            "description": "Seconds an idle pod of this group lives before the autoscaler "
+                           "removes it (needs autoscaler.version v2). Null: "
+                           "autoscaler.idleTimeoutSeconds."}),
         **_pod_settings(what),
     }, f"The {what} worker group: one pod per replica.")
+
+
+INCREMENTAL = "NewClusterWithIncrementalUpgrade"
+
+
+def _upgrade_strategy() -> dict:
+    """KubeRay's RayService upgradeStrategy; the incremental one needs its options."""
+    options = _obj({
+        "gatewayClassName": {"type": "string", "minLength": 1,
+                             "description": "The Gateway API class that shifts traffic."},
+        "stepSizePercent": {"type": "integer", "minimum": 1, "maximum": 100,
+                            "description": "Traffic moved to the new cluster per step, %."},
+        "intervalSeconds": {"type": "integer", "minimum": 1,
+                            "description": "Seconds between traffic steps."},
+        "maxSurgePercent": {"type": "integer", "minimum": 1, "maximum": 100,
+                            "description": "Capacity the new cluster may add per step, % of "
+                                           "the old one (KubeRay's default: 100)."},
+    }, f"Options of {INCREMENTAL}.", ["gatewayClassName", "stepSizePercent", "intervalSeconds"])
+    out = _obj({
+        "type": {"enum": ["NewCluster", INCREMENTAL, "None"],
+                 "description": "NewCluster (KubeRay's default): a whole second cluster before "
+                                f"switching. {INCREMENTAL}: the new cluster grows step by step "
+                                "as traffic shifts. None: cluster changes are not rolled out."},
+        "clusterUpgradeOptions": _nullable(options),
+    }, "How KubeRay rolls out a change to the Ray cluster (docs/kubernetes.md lists the GPUs "
+       "each type needs).", ["type"])
+    out["allOf"] = [
+        {"if": {"properties": {"type": {"const": INCREMENTAL}}},
+         "then": {"properties": {"clusterUpgradeOptions": {"type": "object"}},
+                  "required": ["clusterUpgradeOptions"]},
+         "else": {"properties": {"clusterUpgradeOptions": {"type": "null"}}}},
+    ]
+    return out
 
 
 def values_schema() -> dict:
@@ -127,19 +182,29 @@ def values_schema() -> dict:
             }, "The image of every Ray pod: Ray with specserve installed.", ["repository"]),
             "imagePullSecrets": {"type": "array", "items": {"type": "object"}},
             "rayVersion": {"type": "string", "description": "Ray version of the image."},
+            "upgradeStrategy": _upgrade_strategy(),
             "autoscaler": _obj({
                 "enabled": {"type": "boolean"},
                 "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
                 "upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+                "version": {"enum": ["v1", "v2", None],
+                            "description": "KubeRay's autoscaler version; per-group "
+                                           "idleTimeoutSeconds needs v2. Null: KubeRay's."},
             }, "KubeRay's in-tree autoscaler (adds and removes worker pods)."),
             "head": _obj(_pod_settings("head"),
                          "The Ray head pod (GCS, dashboard, Serve controller, router)."),
             "workerGroups": _obj({
                 "target": _worker_group("target", "tensor_parallel_size x gpus_per_worker",
                                         "specserve.target.replicas"),
-                "draft": _worker_group("draft", "the largest drafts[].resources.gpus_per_worker, "
-                                       "rounded up", "the sum of drafts[].replicas"),
-            }, "Worker groups of the Ray cluster.", ["target", "draft"]),
+                "draft": _worker_group("draft", "the pool's resources.gpus_per_worker, "
+                                       "rounded up", "the pool's replicas"),
+                "draftPools": {"type": "object", "description": "Per draft pool name: the "
+                               "keys of `draft` its own group (draft-<name>) sets differently.",
+                               "additionalProperties": _worker_group(
+                                   "draft pool's", "the pool's resources.gpus_per_worker, "
+                                   "rounded up", "the pool's replicas")},
+            }, "Worker groups of the Ray cluster: the target pool's, and one per draft pool.",
+               ["target", "draft"]),
             "service": _obj({
                 "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                 "port": {"type": "integer", "minimum": 1, "maximum": 65535},
@@ -164,6 +229,40 @@ def values_schema() -> dict:
                     "key": {"type": "string", "minLength": 1},
                 }, "Secret key holding Redis' password.", ["name", "key"])),
             }, "GCS fault tolerance (KubeRay gcsFaultToleranceOptions) with an external Redis."),
+            "rayPorts": _obj({
+                name: {"type": "integer", "minimum": 1, "maximum": 65535} for name in _RAY_PORTS
+            }, "Ray's ports on every pod, fixed so the NetworkPolicy can name them (the head "
+               "also listens on GCS 6379, client 10001, dashboard 8265).",
+                list(_RAY_PORTS)),
+            "networkPolicy": _obj({
+                "enabled": {"type": "boolean"},
+                "serveFrom": {**_PEERS, "description": "Who may reach the Serve port "
+                              "(NetworkPolicyPeers); empty: any source."},
+                "metricsFrom": {**_PEERS, "description": "Who may scrape Ray's metrics port "
+                                "(rayPorts.metricsExport); empty: nobody."},
+                "operatorFrom": {**_PEERS, "description": "KubeRay's operator, allowed on the "
+                                 "head's dashboard (8265) and Serve ports; empty: nobody."},
+            }, "Ingress NetworkPolicies: Ray's ports only between this release's pods, the "
+               "draft sink on target pods only from draft pods, the Serve port from serveFrom."),
+            "rayAuth": _obj({
+                "enabled": {"type": "boolean"},
+                "existingSecret": {"type": "string", "description": "A Secret with the key "
+                                   "auth_token. Empty: KubeRay generates one per cluster."},
+            }, "Ray token authentication (KubeRay authOptions mode token; Ray >= 2.52)."),
+            "draftTls": _obj({
+                "enabled": {"type": "boolean"},
+                "existingSecret": {"type": "string", "description": "A Secret with tls.crt, "
+                                   "tls.key and ca.crt (e.g. a cert-manager Certificate's). "
+                                   "Empty: the chart generates a CA and a certificate."},
+                "serverName": {"type": "string", "minLength": 1, "description": "The name "
+                               "in the certificate that drafts check (sinks are dialled by IP)."},
+            }, "Mutual TLS on the draft stream (specserve.grpc_tls, filled by the chart)."),
+            "podDisruptionBudget": _obj({
+                "enabled": {"type": "boolean"},
+                "maxUnavailable": {"type": ["integer", "string"],
+                                   "description": "Pods of one group a drain may evict at "
+                                                  "once (a number or a percentage)."},
+            }, "PodDisruptionBudgets of the target group and each draft pool's group."),
             "global": {"type": "object",
                        "description": "Values a parent chart shares with its subcharts; "
                                       "this chart reads none."},

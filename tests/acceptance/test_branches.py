@@ -17,9 +17,3 @@ def test_figures_from_counters_and_spans():
     assert empty["branch_hit_rate"] is None and empty["wait_ms_per_step"] is None
     assert branches.total({"a/0": {"branch_hits": 1}, "a/1": {"branch_hits": 2}}) == {
         "branch_hits": 3}
-
-
-def test_prometheus_lines_name_model_and_replica():
-    text = "\n".join(branches.prometheus_lines({"tiny/replica-0": {"branch_hits": 3}}))
-    assert 'specserve_branch_hits_total{draft_model="tiny",draft_replica="replica-0"} 3' in text
-    assert "# TYPE specserve_wait_seconds_total counter" in text

@@ -59,14 +59,37 @@ def test_goodput_target_live_figures_and_draft_lag():
     assert snap["drafts"][0]["draft_lag"] == 2.5
     text = prometheus_text(s, now=60.0)
     assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
-    assert 'specserve_target_queue_length{target_replica="t1"} 1' in text
     # Counters and histograms (since start): Prometheus takes rates and quantiles.
     assert "specserve_goodput_tokens_total 11" in text
     assert 'specserve_ttft_seconds_bucket{le="0.5"} 1' in text  # fast only
-    assert 'specserve_ttft_seconds_bucket{le="5"} 2' in text
+    assert 'specserve_ttft_seconds_bucket{le="5.0"} 2' in text
     assert 'specserve_ttft_seconds_bucket{le="+Inf"} 2' in text
     assert "specserve_ttft_seconds_count 2" in text and "specserve_ttft_seconds_sum 3.5" in text
     # TPOT: fast (1.0-0.5)/10 = 0.05 s, slow 0.1 s.
     assert 'specserve_tpot_seconds_bucket{le="0.05"} 1' in text
     assert 'specserve_tpot_seconds_bucket{le="0.1"} 2' in text
     assert "per_second" not in text and "p50" not in text  # no unaggregatable gauges
+
+
+def test_replica_rows_are_pruned_after_the_grace_period():
+    s = SpecStats(k=2, grace_s=100.0)
+    s.record(rec("m", "old", [1, 1, 0], out=5, draft_tokens=4, k=2, target="t-old", at=0.0,
+                 draft_lag=1.0))
+    s.record(rec("m", "new", [1, 1, 0], out=5, draft_tokens=4, k=2, target="t-new", at=90.0))
+    s.prune(now=150.0)
+    assert list(s.by_replica) == [("m", "new")] and list(s.by_target) == ["t-new"]
+    assert s.draft_lag == {}
+    # The per-model sum keeps what the pruned replica counted.
+    assert s.by_model["m"].requests == 2
+    text = prometheus_text(s, now=150.0)
+    assert 'draft_replica="old"' not in text and 'draft_replica="new"' in text
+
+
+def test_the_lag_gauge_of_a_draft_replica_without_requests_is_dropped():
+    s = SpecStats(k=2)
+    s.record(rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, at=50.0, draft_lag=2.5))
+    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in \
+        prometheus_text(s, now=60.0)
+    later = prometheus_text(s, now=200.0)  # 150 s without a request: dead or idle
+    assert "specserve_draft_lag_tokens{" not in later
+    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 2' in later

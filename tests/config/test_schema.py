@@ -293,15 +293,38 @@ def test_api_key_from_an_environment_variable(monkeypatch):
     http = HttpConfig(api_key_env="SPECSERVE_TEST_KEY")
     monkeypatch.delenv("SPECSERVE_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match="SPECSERVE_TEST_KEY is not set or empty"):
-        http.api_key_value()
+        http.api_keys()
     monkeypatch.setenv("SPECSERVE_TEST_KEY", "s3cret")
-    assert http.api_key_value() == "s3cret"
-    assert HttpConfig(api_key="k").api_key_value() == "k"
-    assert HttpConfig().api_key_value() is None
-    with pytest.raises(ValueError, match="api_key or api_key_env, not both"):
+    assert http.api_keys() == ("s3cret",)
+    # Rotation: the old and the new key, both accepted until the old one goes.
+    monkeypatch.setenv("SPECSERVE_TEST_KEY", "old-key, new-key\n")
+    assert http.api_keys() == ("old-key", "new-key")
+    assert HttpConfig(api_key="k").api_keys() == ("k",)
+    assert HttpConfig().api_keys() == ()
+    with pytest.raises(ValueError, match="set one of api_key, api_key_env, api_key_file, not "
+                                         "api_key and api_key_env"):
         HttpConfig(api_key="k", api_key_env="X")
     with pytest.raises(ValueError, match="not an environment variable name"):
         HttpConfig(api_key_env="MY-KEY")
     # The CLI's --api-key replaces the variable.
     cfg = AppConfig.model_validate({"http": {"api_key_env": "X"}}).with_overrides(api_key="k")
     assert (cfg.http.api_key, cfg.http.api_key_env) == ("k", None)
+
+
+def test_api_keys_from_a_file(tmp_path):
+    from specserve.config import ConfigError, HttpConfig
+
+    path = tmp_path / "keys"
+    path.write_text("# rotated 2026-12\nold-key\n\n  new-key  \n")
+    assert HttpConfig(api_key_file=str(path)).api_keys() == ("old-key", "new-key")
+    path.write_text("# no key yet\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        HttpConfig(api_key_file=str(path)).api_keys()
+    with pytest.raises(ConfigError, match="cannot read .*missing.*router's node"):
+        HttpConfig(api_key_file=str(tmp_path / "missing")).api_keys()
+    with pytest.raises(ValueError, match="not api_key_env and api_key_file"):
+        HttpConfig(api_key_env="X", api_key_file=str(path))
+    # The CLI's --api-key-file replaces the config's key source, as an absolute path.
+    cfg = AppConfig.model_validate({"http": {"api_key": "k"}}).with_overrides(
+        api_key_file="keys")
+    assert cfg.http.api_key is None and cfg.http.api_key_file == str(Path("keys").resolve())

@@ -1,7 +1,7 @@
 """A stand-in for the target deployment's handle: no Ray, no engine.
 
 `FakeTarget.http` answers like TargetServer.http (start, body chunks, then
-{"records": [...]}) from a script the test gives; the other methods answer at
+{"records": [...], "report": ...}) from a script the test gives; the other methods answer at
 once, or never (`hang=True`: no replica up)."""
 
 from __future__ import annotations
@@ -72,18 +72,28 @@ class FakeTarget:
         self.ready = FakeRemote(True, hang=not ready)
         self.spec_totals = FakeRemote(lambda: {"step_cost": step_cost, "draft_tokens": 0})
         self.draft_active = FakeRemote({})
-        self.branch_counters = FakeRemote({})
+        self.metrics_report = FakeRemote(lambda: replica_report("t0"))
 
     def options(self, stream=False):
         assert stream
         return type("Streaming", (), {"http": FakeHttp(self)})()
 
 
-def json_answer(body: bytes, status=200, records=()):
+def replica_report(replica: str, branch_hits: int = 1) -> dict:
+    """What TargetServer.metrics_report answers, for a replica that served a little."""
+    from specserve.target.engine import SpecTotals
+
+    engine = SpecTotals(num_drafts=2, draft_tokens=8, accepted_tokens=5,
+                        accepted_per_position=[2, 1, 1, 1], running=1)
+    return {"replica": replica, "model_name": "tiny", "engine": engine.snapshot(),
+            "branches": {"same/d0": {"branch_hits": branch_hits}}}
+
+
+def json_answer(body: bytes, status=200, records=(), report=None):
     return [{"status": status, "headers": [("content-type", "application/json")]},
-            body, {"records": list(records)}]
+            body, {"records": list(records), "report": report}]
 
 
-def sse_answer(events: list[bytes], records=()):
+def sse_answer(events: list[bytes], records=(), report=None):
     return [{"status": 200, "headers": [("content-type", "text/event-stream; charset=utf-8")]},
-            *events, {"records": list(records)}]
+            *events, {"records": list(records), "report": report}]

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from deployments.router import HEALTH_WAIT_S, Router
-from fake_target import FakeStream, FakeTarget, json_answer, sse_answer
+from fake_target import FakeStream, FakeTarget, json_answer, replica_report, sse_answer
 from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
 from specserve.openai_api import ApiError
@@ -163,6 +163,28 @@ def test_api_key_and_unknown_routes():
     asyncio.run(go())
 
 
+def test_any_of_several_keys_is_accepted_in_constant_time(monkeypatch):
+    from deployments.router import bearer_matches
+
+    monkeypatch.setenv("SPECSERVE_ROUTER_TEST_KEYS", "old-key,new-key")
+
+    async def go():
+        r = router(FakeTarget(), api_key_env="SPECSERVE_ROUTER_TEST_KEYS")
+        for header, status in (("Bearer old-key", 404), ("Bearer new-key", 404),
+                               ("Bearer old-keyX", 401), ("Bearer ", 401), ("", 401),
+                               ("Bearer old-key,new-key", 401), ("Bearer nëw", 401)):
+            got, _, _ = await answer(r, request("GET", "/nope",
+                                                headers={"authorization": header}))
+            assert got == status, header
+
+    asyncio.run(go())
+    compared = []
+    monkeypatch.setattr("deployments.router.hmac.compare_digest",
+                        lambda a, b: compared.append(b) or a == b)
+    assert bearer_matches("Bearer a", ("a", "b", "c"))
+    assert compared == [b"Bearer a", b"Bearer b", b"Bearer c"]  # no early exit
+
+
 def test_healthz_needs_a_target_replica_that_answers(monkeypatch):
     monkeypatch.setattr("deployments.router.HEALTH_WAIT_S", 0.05)
 
@@ -182,7 +204,7 @@ def test_ops_views_answer_at_once_without_a_target_replica(monkeypatch):
 
     async def go():
         target = FakeTarget(ready=False)
-        target.spec_totals.hang = target.draft_active.hang = target.branch_counters.hang = True
+        target.spec_totals.hang = target.draft_active.hang = target.metrics_report.hang = True
         r = router(target)
         r.ops._serve_status = lambda: {}  # no Ray here: Serve's status and the
         r.ops._decisions = target.spec_totals.remote  # autoscaler are stand-ins (hanging)
@@ -331,3 +353,40 @@ def test_a_stream_past_the_timeout_ends_with_an_error_event_and_is_cancelled():
         assert slow.cancelled >= 1 and r.choice.inflight == {"same": 0}
 
     asyncio.run(go())
+
+
+def test_metrics_label_target_figures_by_replica_and_count_http_outcomes():
+    """Two target replicas report (after their answers, and one at the scrape):
+    one series each; the router counts statuses and a client that left."""
+    async def go():
+        events = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+        target = FakeTarget([
+            FakeStream(json_answer(b"{}", records=[record()],
+                                   report=replica_report("t1", branch_hits=3))),
+            FakeStream(sse_answer(events, records=[record()],
+                                  report=replica_report("t2", branch_hits=4))),
+            FakeStream(sse_answer(events, records=[record()]))])
+        r = router(target)
+        r.ops._serve_status = lambda: {}
+        await answer(r, request("POST", "/v1/completions", b"{}"))
+        await answer(r, request("POST", "/v1/chat/completions", b'{"stream": true}'))
+        left = await r(request("POST", "/v1/chat/completions", b'{"stream": true}'))
+        del left  # the client went away before the response was sent
+        import gc
+
+        gc.collect()
+        await asyncio.sleep(0.05)
+        _, _, text = await answer(r, request("GET", "/metrics"))
+        return text.decode()
+
+    text = asyncio.run(go())
+    for replica, hits in (("t0", 1), ("t1", 3), ("t2", 4)):  # t0 answered the scrape
+        assert (f'specserve_branch_hits_total{{target_replica="{replica}",draft_model="same",'
+                f'draft_replica="d0"}} {hits}') in text
+        assert (f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny",engine="0",'
+                f'target_replica="{replica}"}} 8') in text
+    assert 'specserve_http_responses_total{route="/v1/completions",status="200"} 1' in text
+    assert 'specserve_http_responses_total{route="/v1/chat/completions",status="200"} 2' in text
+    assert 'specserve_http_aborts_total{route="/v1/chat/completions"} 1' in text
+    assert 'specserve_http_inflight{route="/v1/chat/completions"} 0' in text
+    assert 'specserve_http_inflight{route="/metrics"} 1' in text  # this scrape

@@ -174,13 +174,55 @@ def test_acceptance_steers_requests_and_k(app, expected):
     assert sum(d["accepted_tokens"] for d in after["drafts"]) == engine["accepted_tokens"]
 
 
+def test_vllm_benchmark_client_reports_acceptance(app, tiny_models):
+    """vLLM's own benchmark client (`vllm bench serve`; the `vllm` script is not
+    installed here, so its module) reads acceptance from specserve's /metrics."""
+    from vllm.benchmarks import serve as bench
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    bench.add_cli_args(parser)
+    model = str(tiny_models["target"])
+    args = parser.parse_args([
+        "--base-url", app.url, "--endpoint", "/v1/completions", "--model", model,
+        "--served-model-name", "tiny", "--dataset-name", "random", "--random-input-len", "16",
+        "--random-output-len", "24", "--num-prompts", "6", "--max-concurrency", "2",
+        "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0"])
+    result = bench.main(args)
+    assert result["completed"] == 6, result
+    # Drafts from the "same" pool (the target's own model) are accepted.
+    assert result["spec_decode_draft_tokens"] > 0, result
+    assert 0 < result["spec_decode_acceptance_rate"] <= 100, result
+    assert len(result["spec_decode_per_position_acceptance_rates"]) >= 1, result
+
+
 def test_metrics_are_prometheus_text(app):
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specserve.acceptance import catalogue
 
     with urllib.request.urlopen(f"{app.url}/metrics", timeout=30) as r:
         text = r.read().decode()
     assert 'specserve_draft_tokens_total{draft_model="same"' in text
     assert "# TYPE specserve_accepted_tokens_total counter" in text
+    # The whole scrape parses, every family is catalogued, and the target's
+    # figures carry the replica that counted them.
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {n.removesuffix("_total") for n in catalogue.BY_NAME} == families
+    assert 'vllm:num_requests_running{model_name="tiny",engine="0",target_replica="' in text
+    # The router knows the running target replica from Serve, and it is the
+    # one that reported: its gauges are shown.
+    deadline = time.monotonic() + 60  # Serve's details come in the background
+    while True:
+        _, snap = get(f"{app.url}/v1/spec/stats")
+        running = snap["target_replicas"]["running"]
+        if running is not None or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert running and running == snap["target_replicas"]["reported"], snap["target_replicas"]
+    assert f'specserve_target_batch_size{{target_replica="{running[0]}"}}' in text
 
 
 def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):

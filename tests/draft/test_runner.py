@@ -74,7 +74,7 @@ def test_runs_ahead_to_the_lookahead_and_streams_each_token():
         await settle()
         assert link.opened["r"] == ""  # no ticket given: the sink would refuse it
         full = expected([1, 2], 5)
-        # One message per token, each the whole window from the verified position.
+        # The link is handed the whole window from the verified position at every token.
         assert [d[2] for d in link.drafts] == [full[2 : 2 + i] for i in range(1, 6)]
         assert all(d[1] == 2 for d in link.drafts)
         assert runner.stats.drafted_tokens == 5  # stopped at W

@@ -322,6 +322,24 @@ def test_branches_at_unknown_positions_or_without_an_alternative_are_dropped():
     assert b.propose([h(1, 2, 5, 6, 7)], K, K + 1, keys=[("s", "r")])[0] == [[8]]
 
 
+def test_a_branch_may_fork_at_any_drafted_position_the_book_holds():
+    """Drafts arrive as deltas: a branch comes with a later message than the
+    drafted token it is an alternative to, so it may fork outside its own
+    message's window, wherever the book holds a drafted token."""
+    b = book()
+    b.open(("s", "r"), [1, 2])
+    b.extend(("s", "r"), 2, [5, 6, 7])
+    # a delta at the end (position 5) with a branch forking at 3, before it
+    b.extend(("s", "r"), 5, [8], branches=[(3, [60, 61])])
+    assert b.stats.branches_buffered == 1 and b.branch_tokens == 2
+    # a message with no tokens at all, only a branch
+    b.extend(("s", "r"), 6, [], branches=[(4, [70])])
+    assert b.stats.branches_buffered == 2
+    # the target rejects 6 at position 3 with 60: the branch is S now
+    props, _ = b.propose([h(1, 2, 5, 60)], K, K + 1, keys=[("s", "r")])
+    assert props == [[61]] and b.stats.branch_hits == 1
+
+
 def test_branch_floods_are_cut_at_the_bounds():
     b = book(max_branches=4, max_branch_len=3, max_branch_tokens=10)
     b.open(("s", "r"), [1, 2])

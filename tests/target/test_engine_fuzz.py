@@ -159,7 +159,7 @@ class DraftPlayer(threading.Thread):
         try:
             for msg in call:
                 if msg.WhichOneof("kind") == "verified":
-                    for rid, position, tokens in unpack_verified(msg.verified):
+                    for rid, position, tokens, _ in unpack_verified(msg.verified):
                         self.verified += 1
                         with self.lock:
                             hist = self.history.get(rid)

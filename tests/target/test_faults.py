@@ -83,7 +83,7 @@ class HostileDraft(threading.Thread):
         try:
             for msg in call:
                 if msg.WhichOneof("kind") == "verified":
-                    for rid, position, tokens in unpack_verified(msg.verified):
+                    for rid, position, tokens, _ in unpack_verified(msg.verified):
                         self.verified_updates += 1
                         self.history[rid][position:] = tokens
                         self.garbage(rid)

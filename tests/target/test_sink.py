@@ -90,7 +90,7 @@ def rows(*histories):
 
 
 def verified(msg):
-    """The (request id, position, tokens) of a sink message's verified batch."""
+    """The (request id, position, tokens, held) of a sink message's verified batch."""
     from specserve.wire import unpack_verified
 
     assert msg.WhichOneof("kind") == "verified", msg
@@ -103,7 +103,8 @@ def test_drafts_flow_in_and_verified_tokens_flow_back(sink):
     c.draft("r", 3, [4, 5, 6, 7])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 4)
     assert sink.propose(*rows(h(1, 2, 3, 4)), [True], k=2, keys=["r"]) == [[5, 6]]
-    assert verified(c.reply()) == [("r", 3, [4])]
+    # the sink still holds drafts for positions 4..6: they end at 7
+    assert verified(c.reply()) == [("r", 3, [4], 7)]
     c.close()
     assert wait_for(lambda: sink.stats()["streams"] == 0)
     assert sink.stats()["open_requests"] == 1  # the target's until it unregisters
@@ -127,7 +128,7 @@ def test_a_client_without_the_ticket_learns_nothing_and_changes_nothing(sink):
     assert rogue.reply().error.code == grpc.StatusCode.NOT_FOUND.value[0]
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 3)
     assert sink.propose(*rows(h(1, 2, 3, 4)), [True], k=2, keys=["r"]) == [[5, 6]]
-    assert verified(good.reply()) == [("r", 3, [4])]
+    assert verified(good.reply()) == [("r", 3, [4], 6)]
     with pytest.raises(queue.Empty):
         rogue.reply(timeout=0.5)
     good.close()
@@ -183,7 +184,7 @@ def test_malformed_bytes_end_that_call_with_a_status_and_nothing_else(sink):
     good.draft("r", 2, [3])
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 1)
     assert sink.propose(*rows(h(1, 2, 3)), [True], k=2, keys=["r"]) == [[]]
-    assert verified(good.reply()) == [("r", 2, [3])]
+    assert verified(good.reply()) == [("r", 2, [3], 3)]
     good.close()
 
 
@@ -543,7 +544,8 @@ def test_a_request_without_drafts_for_n_steps_in_a_row_is_released():
 
 def test_a_links_drafts_go_out_as_one_batch_per_loop_turn():
     """SinkLink coalesces: the windows a draft step sends for many requests
-    (and several for one request) leave as one DraftBatch, latest window each."""
+    (and several for one request) leave as one DraftBatch, what each request
+    drafted in the turn as one entry."""
     import asyncio
 
     from specserve.draft.link import SinkLink
@@ -592,11 +594,14 @@ def test_a_stream_over_its_message_rate_is_cut_off_and_others_go_on():
     try:
         good = Client(sink)
         good.open("r", [1, 2])
-        flood = Client(sink)
+        flood = Client(sink, name="flood/0")
         for i in range(200):  # far past 50 a second (one second's burst)
             flood.draft("unknown", 2, [3])
         assert wait_for(lambda: flood.status is not None)
         assert flood.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The cut is counted for that draft (specserve_draft_stream_cuts_total).
+        assert wait_for(lambda: sink.figures().get("flood/0", (None,))[0] is not None
+                        and sink.figures()["flood/0"][0].stream_cuts == 1)
         good.draft("r", 2, [3, 4])
         assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 2)
         assert good.status is None

@@ -27,14 +27,23 @@ import yaml
 
 from specserve.config import AppConfig
 
-from grafana import (PROMQL_FUNCTIONS, dashboard, exposed_names, grafana_expressions,
-                     grafana_metric_names, promql_metrics)
+from grafana import (PROMQL_FUNCTIONS, dashboard, grafana_expressions,
+                     promql_metrics)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specserve"
 GPU_VALUES = CHART / "examples" / "gpu-values.yaml"
 CRDS = Path(__file__).resolve().parents[1] / "data" / "crds"
 KUBE_VERSION = "1.30"
+FULLNAME = "spec-specserve"  # release "spec"
+TLS_DIR = "/etc/specserve/draft-tls"
+SINK_PORT = 50051  # values.yaml's specserve.target.sink_port
+# Ray's ports as values.yaml fixes them (rayPorts), on every pod.
+RAY_PORT_PARAMS = {"object-manager-port": "8076", "node-manager-port": "8077",
+                   "runtime-env-agent-port": "8078", "dashboard-agent-grpc-port": "8079",
+                   "dashboard-agent-listen-port": "52365", "metrics-export-port": "8080",
+                   "min-worker-port": "10002", "max-worker-port": "19999"}
+SEVERAL = ("PodMonitor", "NetworkPolicy", "Secret", "PodDisruptionBudget")
 
 
 @lru_cache(maxsize=None)
@@ -51,8 +60,9 @@ def gpu_values() -> dict:
 
 
 def render(values: dict | None = None) -> dict[str, dict]:
-    """kind -> object, NOTES.txt under "NOTES"; a kind the chart renders twice
-    (the two PodMonitors) is keyed "kind/<name suffix after the fullname->"."""
+    """kind -> object, NOTES.txt under "NOTES"; a kind the chart may render
+    several of (PodMonitor, NetworkPolicy, Secret, PodDisruptionBudget) is keyed
+    "kind/<name suffix after the fullname->" (e.g. "NetworkPolicy/draft-sink")."""
     out: dict[str, dict] = {}
     for path, text in chart().render(values, name="spec", namespace="llm").items():
         if path.endswith("NOTES.txt"):
@@ -61,8 +71,8 @@ def render(values: dict | None = None) -> dict[str, dict]:
         for doc in yaml.safe_load_all(text):
             if doc:
                 key = doc["kind"]
-                if key == "PodMonitor":
-                    key = f"PodMonitor/{doc['metadata']['name'].rsplit('-', 1)[-1]}"
+                if key in SEVERAL:
+                    key = f"{key}/{doc['metadata']['name'].removeprefix(FULLNAME + '-')}"
                 assert key not in out, f"two {key} objects"
                 out[key] = doc
     return out
@@ -166,16 +176,20 @@ def test_helm_lint_is_clean(values):
 
 def test_default_values_render_a_valid_cpu_deployment():
     objs = render()
-    assert set(objs) == {"RayService", "ConfigMap", "NOTES"}
+    assert set(objs) == {"RayService", "ConfigMap", "NetworkPolicy/ray",
+                         "NetworkPolicy/operator", "PodDisruptionBudget/target", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    validate_core(objs["ConfigMap"])
+    for kind in ("ConfigMap", "NetworkPolicy/ray", "NetworkPolicy/operator",
+                 "PodDisruptionBudget/target"):
+        validate_core(objs[kind])
 
     serve_config, app = serve_app(rs)
     assert serve_config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert app["route_prefix"] == "/"
     cfg = AppConfig.from_dict(app["args"], source="serveConfigV2")
-    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"}})
+    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
+                                       "target": {"sink_port": SINK_PORT}})
     # The import path names a Serve application builder that takes the args.
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
@@ -189,23 +203,34 @@ def test_default_values_render_a_valid_cpu_deployment():
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 1)
     assert "nvidia.com/gpu" not in container(target)["resources"]["limits"]
     assert cluster["headGroupSpec"]["rayStartParams"] == {"dashboard-host": "0.0.0.0",
-                                                          "num-cpus": "0"}
+                                                          "num-cpus": "0", **RAY_PORT_PARAMS}
+    assert target["rayStartParams"] == RAY_PORT_PARAMS
 
 
 def test_gpu_example_renders_gpu_groups_and_the_example_config():
     objs = render(gpu_values())
     assert set(objs) == {"RayService", "ConfigMap", "PodMonitor/router", "PodMonitor/ray",
-                         "NOTES"}
+                         "NetworkPolicy/ray", "NetworkPolicy/operator",
+                         "NetworkPolicy/draft-sink", "Secret/draft-tls",
+                         "PodDisruptionBudget/target", "PodDisruptionBudget/draft-llama-1b",
+                         "PodDisruptionBudget/draft-llama-8b", "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
-    validate_core(objs["ConfigMap"])
+    for kind in set(objs) - {"RayService", "NOTES", "PodMonitor/router", "PodMonitor/ray"}:
+        validate_core(objs[kind])
 
+    # The example's config, plus what the chart adds for the cluster: the
+    # sink's fixed port (values.yaml) and the draft stream's TLS files.
     _, app = serve_app(rs)
-    assert AppConfig.from_dict(app["args"]) == AppConfig.from_yaml(REPO / "cluster" /
-                                                                   "gpu-example.yaml")
+    example = AppConfig.from_yaml(REPO / "cluster" / "gpu-example.yaml").model_dump()
+    example["target"]["sink_port"] = SINK_PORT
+    example["grpc_tls"] = {"ca_file": f"{TLS_DIR}/ca.crt", "cert_file": f"{TLS_DIR}/tls.crt",
+                           "key_file": f"{TLS_DIR}/tls.key", "server_name": "draft-sink"}
+    assert AppConfig.from_dict(app["args"]) == AppConfig.from_dict(example)
 
     g = groups(rs)
-    target, draft = g["target"], g["draft"]
+    assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    target, draft = g["target"], g["draft-llama-1b"]
     # A target replica is one pod with tensor_parallel_size GPUs, on H100 nodes.
     assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 4)
@@ -216,11 +241,12 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     for group, kind in ((target, "H100"), (draft, "L4")):
         assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
             f"accelerator_type:{kind}": 1}
-    # Draft replicas: one L4 each; both pools' bounds added up (2-8 and 1-4).
-    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert (draft["minReplicas"], draft["maxReplicas"]) == (3, 12)
-    assert draft["template"]["spec"]["nodeSelector"] == {
-        "cloud.google.com/gke-accelerator": "nvidia-l4"}
+    # One group per draft pool: one L4 per replica, the pool's own bounds.
+    for name, bounds in (("draft-llama-1b", (2, 8)), ("draft-llama-8b", (1, 4))):
+        assert container(g[name])["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert (g[name]["minReplicas"], g[name]["maxReplicas"]) == bounds
+        assert g[name]["template"]["spec"]["nodeSelector"] == {
+            "cloud.google.com/gke-accelerator": "nvidia-l4"}
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     for group in (head, target, draft):  # the router on the head reads the tokenizer
         spec = group["template"]["spec"]
@@ -236,7 +262,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     # KubeRay's own Serve service (it sets the selector to the active cluster's
     # proxies); no Service of the chart's own duplicates it.
     svc = rs["spec"]["serveService"]
-    assert svc["spec"]["type"] == "LoadBalancer" and "selector" not in svc["spec"]
+    assert svc["spec"]["type"] == "ClusterIP" and "selector" not in svc["spec"]
     validate_core({"apiVersion": "v1", "kind": "Service", **svc})
     (port,) = svc["spec"]["ports"]
     assert any(p["name"] == port["targetPort"] and p["containerPort"] == 8000
@@ -246,7 +272,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     rm, pm = objs["PodMonitor/router"], objs["PodMonitor/ray"]
     head_labels = head["template"]["metadata"]["labels"]
     assert rm["spec"]["selector"]["matchLabels"].items() <= head_labels.items()
-    for name in ("target", "draft"):
+    for name in ("target", "draft-llama-1b", "draft-llama-8b"):
         assert not (rm["spec"]["selector"]["matchLabels"].items()
                     <= g[name]["template"]["metadata"]["labels"].items())
     (endpoint,) = rm["spec"]["podMetricsEndpoints"]
@@ -260,7 +286,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
 
     notes = objs["NOTES"]
     assert "/dashboard" in notes and "llama-3.1-70b-instruct" in notes
-    assert "kubectl -n llm get svc spec-specserve" in notes
+    assert "kubectl -n llm port-forward svc/spec-specserve 8000:8000" in notes
 
 
 def test_serve_builds_the_gpu_app_that_fits_its_pods():
@@ -281,7 +307,7 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
     assert built.ingress_deployment_name == "router"
 
     g = groups(rs)
-    limits = {name: container(g[name])["resources"]["limits"] for name in ("target", "draft")}
+    limits = {name: container(group)["resources"]["limits"] for name, group in g.items()}
     bundles = deployments["target"]._replica_config.placement_group_bundles
     # One target replica (all its tensor-parallel bundles) fits one target pod.
     assert sum(b["GPU"] for b in bundles) == limits["target"]["nvidia.com/gpu"] == 4
@@ -289,8 +315,8 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
     for name in ("draft-llama-1b", "draft-llama-8b"):
         d = deployments[name]
         actor = d._replica_config.ray_actor_options
-        assert actor["num_gpus"] <= limits["draft"]["nvidia.com/gpu"]
-        assert actor["num_cpus"] <= float(limits["draft"]["cpu"])
+        assert actor["num_gpus"] <= limits[name]["nvidia.com/gpu"]
+        assert actor["num_cpus"] <= float(limits[name]["cpu"])
         assert d._deployment_config.autoscaling_config.max_replicas in (8, 4)
 
 
@@ -357,13 +383,13 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
     name = api_key.get("existingSecret", "spec-specserve-api-key")
     key = api_key.get("secretKey", "api-key")
     if "value" in api_key:
-        secret = objs["Secret"]
+        secret = objs["Secret/api-key"]
         validate_core(secret)
         assert secret["metadata"]["name"] == name
         assert secret["stringData"] == {key: "k3y-s3cret"}
         assert "k3y-s3cret" not in yaml.safe_dump(rs)
     else:
-        assert "Secret" not in objs
+        assert "Secret/api-key" not in objs
     _, app = serve_app(rs)
     cfg = AppConfig.from_dict(app["args"])
     assert cfg.http.api_key is None and cfg.http.api_key_env == "SPECSERVE_API_KEY"
@@ -372,7 +398,7 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
         assert {"name": "SPECSERVE_API_KEY",
                 "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} in container(pod)["env"]
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-the-secret")
-    assert cfg.http.api_key_value() == "from-the-secret"
+    assert cfg.http.api_keys() == ("from-the-secret",)
     # Prometheus authenticates with the same Secret.
     endpoint = objs["PodMonitor/router"]["spec"]["podMetricsEndpoints"][0]
     assert endpoint["authorization"]["credentials"] == {"name": name, "key": key}
@@ -412,9 +438,13 @@ def test_pod_settings_reach_every_group_and_the_chart_takes_global():
         t = pod["template"]
         spec = t["spec"]
         for k in ("serviceAccountName", "runtimeClassName", "priorityClassName",
-                  "securityContext", "topologySpreadConstraints"):
+                  "topologySpreadConstraints"):
             assert spec[k] == settings[k], k
-        assert container(pod)["securityContext"] == settings["containerSecurityContext"]
+        # Helm merges a group's securityContext into the chart's restricted defaults.
+        assert spec["securityContext"]["fsGroup"] == 100
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert container(pod)["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                     "capabilities": {"drop": ["ALL"]}}
         assert container(pod)["envFrom"] == settings["envFrom"]
         assert t["metadata"]["labels"]["team"] == "llm"
         assert t["metadata"]["annotations"] == settings["annotations"]
@@ -445,36 +475,67 @@ def test_pods_too_small_for_their_replicas_fail_at_render(group, resources, mess
     render(values)
 
 
-def test_draft_group_adds_up_its_pools():
-    """Unset bounds count as AppConfig's defaults (1); GPUs round up a share."""
-    rs = render({"specserve": {"drafts": [
-        {"name": "a", "model": "/m"},
+def test_each_draft_pool_gets_its_own_group():
+    """Unset bounds count as AppConfig's defaults (1); GPUs round up a share;
+    an L4 pool and an L40S pool advertise only their own accelerator type, and
+    draftPools.<name> places one pool on other nodes."""
+    values = {"specserve": {"drafts": [
+        {"name": "a", "model": "/m", "resources": {"gpus_per_worker": 1,
+                                                   "accelerator_type": "L4"}},
         {"name": "b", "model": "/n", "replicas": {"min_replicas": 0, "max_replicas": 3},
-         "resources": {"gpus_per_worker": 0.5}}]}})["RayService"]
+         "resources": {"gpus_per_worker": 0.5, "accelerator_type": "L40S"}}]},
+        "workerGroups": {
+            "draft": {"nodeSelector": {"gpu": "l4"}},
+            "draftPools": {"b": {"nodeSelector": {"gpu": "l40s"}, "tolerations": [
+                {"key": "l40s", "operator": "Exists", "effect": "NoSchedule"}]}}}}
+    rs = render(values)["RayService"]
     check_rayservice(rs)
-    draft = groups(rs)["draft"]
-    assert (draft["minReplicas"], draft["maxReplicas"]) == (1, 4)
-    assert container(draft)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    g = groups(rs)
+    assert set(g) == {"target", "draft-a", "draft-b"}
+    a, b = g["draft-a"], g["draft-b"]
+    assert (a["minReplicas"], a["maxReplicas"]) == (1, 1)
+    assert (b["minReplicas"], b["maxReplicas"]) == (0, 3)
+    for group, kind, selector in ((a, "L4", "l4"), (b, "L40S", "l40s")):
+        assert container(group)["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
+            f"accelerator_type:{kind}": 1}
+        assert group["template"]["spec"]["nodeSelector"] == {"gpu": selector}
+        assert group["template"]["metadata"]["labels"]["specserve.io/draft-pool"] == \
+            group["groupName"].removeprefix("draft-")
+    assert "tolerations" not in a["template"]["spec"]
+    assert b["template"]["spec"]["tolerations"][0]["key"] == "l40s"
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"target": {"gpus": 3}}, r"workerGroups.target.gpus 3 is less than the 4 GPUs one "
+                              r"replica needs \(tensor_parallel_size 4 x gpus_per_worker 1\)"),
+    ({"draftPools": {"llama-8b": {"gpus": 0}}}, "workerGroups.draftPools.llama-8b.gpus 0 is "
+                                                "less than the 1 GPUs"),
+    ({"draftPools": {"llama-3b": {"gpus": 1}}}, "no draft pool is named llama-3b"),
+])
+def test_group_overrides_that_cannot_hold_a_replica_fail_at_render(override, message):
+    import helm_python as helm
+
+    values = gpu_values()
+    for group, settings in override.items():
+        if group == "draftPools":
+            values["workerGroups"]["draftPools"] = settings
+        else:
+            values["workerGroups"][group] = {**values["workerGroups"][group], **settings}
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)
 
 
 # ---- the Grafana dashboard ----------------------------------------------------------
 
 def exported_metric_names() -> set[str]:
-    """What specserve exports: the router's /metrics (every TYPE line of the text
-    it serves, from figures with a draft pool in them), and the metrics its code
-    registers with ray.serve.metrics, as Ray's exporter names them."""
-    from specserve.control import pools
-    from specserve.acceptance.prometheus import prometheus_text
-    from specserve.acceptance.record import Acceptance, TargetReport
-    from specserve.acceptance.stats import RequestRecord, SpecStats
+    """What specserve exports: the catalogue's series (the router's /metrics and,
+    with Ray's prefix, its Ray metrics; tests/acceptance/test_catalogue.py holds
+    /metrics to the catalogue) and any constant name the code gives
+    ray.serve.metrics' Counter/Gauge/Histogram, as Ray's exporter names them."""
+    from specserve.acceptance import catalogue
 
-    stats = SpecStats(4)
-    stats.record(RequestRecord(TargetReport("t1", "d", "r1", Acceptance(4, 10, 8, (1, 1, 1)),
-                                            draft_lag=0.5), 0.1, 0.5, 100.0))
-    stats.current_k["d"] = 4
-    text = prometheus_text(stats, 100.0) + "\n".join(pools.prometheus_lines(
-        pools.replica_counts({"target": {"RUNNING": 1}}, {"target": (1, 1)})))
-    names = exposed_names(text)
+    names = catalogue.series_names()
     suffixes = {"Counter": ("", "_total"), "Gauge": ("",),
                 "Histogram": ("_bucket", "_sum", "_count")}
     for path in [*(REPO / "specserve").rglob("*.py"), *(REPO / "deployments").rglob("*.py")]:

@@ -75,9 +75,10 @@ def test_make_image_targets_build_the_charts_default_images():
         return {c["image"] for p in pods for c in p["template"]["spec"]["containers"]}
 
     assert images(None) == {built["Dockerfile.cpu"]}
-    # The GPU example pulls that image from the registry it was pushed to.
-    tag = built["Dockerfile.gpu"].split(":", 1)[1]
-    assert images(gpu_values()) == {f"registry.example.com/specserve:{tag}"}
+    # The GPU example pulls both from the registry they were pushed to: the
+    # GPU image on the GPU pools, the CPU image on the head (it holds no GPU).
+    tags = {d: built[d].split(":", 1)[1] for d in built}
+    assert images(gpu_values()) == {f"registry.example.com/specserve:{t}" for t in tags.values()}
     # The documented names: what values.yaml says the Dockerfiles build.
     values_text = (REPO / "helm" / "specserve" / "values.yaml").read_text()
     for dockerfile, image in built.items():

@@ -20,10 +20,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* The image: image.tag, or what Dockerfile.gpu / Dockerfile.cpu build
-     (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise). */}}
+     (specserve:<appVersion>-gpu when any pool asks for GPUs, -cpu otherwise;
+     the head, which holds no GPU, always -cpu): (dict "ctx" $ "head" bool). */}}
 {{- define "specserve.image" -}}
-{{- $flavor := ternary "gpu" "cpu" (or (gt (include "specserve.targetGpus" . | int) 0) (gt (include "specserve.draftGpus" . | int) 0)) -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $flavor)) -}}
+{{- $ := .ctx -}}
+{{- $flavor := ternary "gpu" "cpu" (and (not .head) (eq (include "specserve.anyGpus" $) "true")) -}}
+{{- printf "%s:%s" $.Values.image.repository ($.Values.image.tag | default (printf "%s-%s" $.Chart.AppVersion $flavor)) -}}
 {{- end -}}
 
 {{/* A replica-count bound of an AppConfig pool: (list replicasMapOrNil key), default 1. */}}
@@ -45,18 +47,35 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* nvidia.com/gpu per draft pod: the largest gpus_per_worker of the drafts, rounded up. */}}
-{{- define "specserve.draftGpus" -}}
-{{- if not (kindIs "invalid" .Values.workerGroups.draft.gpus) -}}
-{{- .Values.workerGroups.draft.gpus | int -}}
+{{/* The worker group settings of one draft pool, as JSON: workerGroups.draft
+     with the keys of workerGroups.draftPools.<name> replacing its own:
+     (dict "ctx" $ "name" $poolName). */}}
+{{- define "specserve.poolGroup" -}}
+{{- $g := deepCopy .ctx.Values.workerGroups.draft -}}
+{{- range $k, $v := get (.ctx.Values.workerGroups.draftPools | default dict) .name | default dict -}}
+{{- $_ := set $g $k $v -}}
+{{- end -}}
+{{- toJson $g -}}
+{{- end -}}
+
+{{/* nvidia.com/gpu per pod of a draft pool: the group's gpus, or the pool's
+     gpus_per_worker rounded up: (dict "pool" $draft "group" $settings). */}}
+{{- define "specserve.poolGpus" -}}
+{{- if not (kindIs "invalid" .group.gpus) -}}
+{{- .group.gpus | int -}}
 {{- else -}}
-{{- $g := 0.0 -}}
+{{- (.pool.resources | default dict).gpus_per_worker | default 0 | float64 | ceil | int -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether any pod asks for GPUs ("true" or ""). */}}
+{{- define "specserve.anyGpus" -}}
+{{- $any := gt (include "specserve.targetGpus" . | int) 0 -}}
 {{- range .Values.specserve.drafts -}}
-{{- $x := (.resources | default dict).gpus_per_worker | default 0 | float64 -}}
-{{- if gt $x $g }}{{ $g = $x }}{{ end -}}
+{{- $g := include "specserve.poolGroup" (dict "ctx" $ "name" .name) | fromJson -}}
+{{- if gt (include "specserve.poolGpus" (dict "pool" . "group" $g) | int) 0 }}{{ $any = true }}{{ end -}}
 {{- end -}}
-{{- $g | ceil | int -}}
-{{- end -}}
+{{- if $any }}true{{ end -}}
 {{- end -}}
 
 {{/* The Serve config (serveConfigV2): the specserve values are AppConfig,
@@ -99,7 +118,47 @@ applications:
 {{- $_ := unset $http "api_key" -}}
 {{- $_ := set $app "http" $http -}}
 {{- end -}}
+{{- if include "specserve.draftTlsSecret" . -}}
+{{- if $app.grpc_tls -}}
+{{- fail "specserve.grpc_tls and draftTls.enabled both configure the draft stream's TLS; set draftTls.enabled=false to use your own files, or remove specserve.grpc_tls" -}}
+{{- end -}}
+{{- $dir := include "specserve.draftTlsDir" . -}}
+{{- $_ := set $app "grpc_tls" (dict "ca_file" (printf "%s/ca.crt" $dir) "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) "server_name" .Values.draftTls.serverName) -}}
+{{- end -}}
 {{- toYaml $app -}}
+{{- end -}}
+
+{{/* The Secret of the draft stream's certificates ("" without TLS or drafts). */}}
+{{- define "specserve.draftTlsSecret" -}}
+{{- if and .Values.draftTls.enabled .Values.specserve.drafts -}}
+{{- .Values.draftTls.existingSecret | default (printf "%s-draft-tls" (include "specserve.fullname" .)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.draftTlsDir" -}}/etc/specserve/draft-tls{{- end -}}
+
+{{/* The Serve HTTP port (specserve.http.port). */}}
+{{- define "specserve.servePort" -}}
+{{- (.Values.specserve.http | default dict).port | default 8000 | int -}}
+{{- end -}}
+
+{{/* The draft sink's port on target pods (specserve.target.sink_port). */}}
+{{- define "specserve.sinkPort" -}}
+{{- (.Values.specserve.target | default dict).sink_port | default 0 | int -}}
+{{- end -}}
+
+{{/* Ray's fixed ports as rayStartParams (rayPorts). */}}
+{{- define "specserve.rayPortParams" -}}
+{{- $p := .Values.rayPorts -}}
+{{- toJson (dict "object-manager-port" $p.objectManager "node-manager-port" $p.nodeManager
+    "runtime-env-agent-port" $p.runtimeEnvAgent "dashboard-agent-grpc-port" $p.dashboardAgentGrpc
+    "dashboard-agent-listen-port" $p.dashboardAgentListen "metrics-export-port" $p.metricsExport
+    "min-worker-port" $p.minWorker "max-worker-port" $p.maxWorker) -}}
+{{- end -}}
+
+{{/* The head's own Ray ports (KubeRay's defaults; the head container names them). */}}
+{{- define "specserve.headPorts" -}}
+{{- toJson (dict "gcs-server" 6379 "dashboard" 8265 "client" 10001) -}}
 {{- end -}}
 
 {{/* A Kubernetes CPU quantity in cores ("2", "500m", 1.5). */}}
@@ -125,25 +184,35 @@ applications:
 {{- divf $bytes 1073741824.0 -}}
 {{- end -}}
 
+{{/* Fail when a group's gpus override is fewer than one replica needs:
+     (dict "have" $gpusOrNil "need" N "name" "target" "why" "..."). */}}
+{{- define "specserve.checkGpus" -}}
+{{- if and (not (kindIs "invalid" .have)) (lt (float64 .have) (.need | float64 | ceil)) -}}
+{{- fail (printf "workerGroups.%s.gpus %v is less than the %v GPUs one replica needs (%s): its bundles would never fit one pod and the replica would never start; raise gpus or remove it (null: what the replica needs)" .name .have (.need | float64 | ceil) .why) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Fail when a pod cannot hold what its replicas ask Ray for:
-     (dict "ctx" $ "group" $values "name" "target" "cpus" N "gib" N). */}}
+     (dict "group" $values "name" "target" "cpus" N "gib" N "why" "..." ["path" "draftPools.x"]);
+     path: where the group's resources are set (default: name). */}}
 {{- define "specserve.checkFit" -}}
 {{- $res := .group.resources | default dict -}}
 {{- $have := $res.limits | default ($res.requests | default dict) -}}
 {{- if and (hasKey $have "cpu") (gt (.cpus | float64) (include "specserve.cores" (get $have "cpu") | float64)) -}}
-{{- fail (printf "workerGroups.%s.resources: cpu %v is less than the %v CPUs one %s replica asks Ray for (%s); raise the pod's cpu or lower cpus_per_worker" .name (get $have "cpu") .cpus .name .why) -}}
+{{- fail (printf "workerGroups.%s.resources: cpu %v is less than the %v CPUs one %s replica asks Ray for (%s); raise the pod's cpu or lower cpus_per_worker" (.path | default .name) (get $have "cpu") .cpus .name .why) -}}
 {{- end -}}
 {{- if and (gt (.gib | float64) 0.0) (hasKey $have "memory") (gt (.gib | float64) (include "specserve.gib" (get $have "memory") | float64)) -}}
-{{- fail (printf "workerGroups.%s.resources: memory %v is less than the %vGi one %s replica asks Ray for (%s); raise the pod's memory or lower memory_gib" .name (get $have "memory") .gib .name .why) -}}
+{{- fail (printf "workerGroups.%s.resources: memory %v is less than the %vGi one %s replica asks Ray for (%s); raise the pod's memory or lower memory_gib" (.path | default .name) (get $have "memory") .gib .name .why) -}}
 {{- end -}}
 {{- end -}}
 
-{{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool). */}}
+{{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool
+     "drafting" bool): drafting containers (targets and drafts) mount the draft stream's certificates. */}}
 {{- define "specserve.container" -}}
 {{- $ := .ctx -}}
 {{- $g := .group -}}
 - name: {{ .name }}
-  image: {{ $g.image | default (include "specserve.image" $) }}
+  image: {{ $g.image | default (include "specserve.image" (dict "ctx" $ "head" .head)) }}
   imagePullPolicy: {{ $.Values.image.pullPolicy }}
   {{- $res := deepCopy ($g.resources | default dict) }}
   {{- if gt (int .gpus) 0 }}
@@ -157,13 +226,13 @@ applications:
   {{- end }}
   ports:
     {{- if .head }}
-    - {name: gcs-server, containerPort: 6379}
-    - {name: dashboard, containerPort: 8265}
-    - {name: client, containerPort: 10001}
+    {{- range $name, $port := include "specserve.headPorts" $ | fromJson }}
+    - {name: {{ $name }}, containerPort: {{ $port | int }}}
+    {{- end }}
     {{- end }}
     - name: serve
-      containerPort: {{ ($.Values.specserve.http | default dict).port | default 8000 | int }}
-    - {name: metrics, containerPort: 8080}
+      containerPort: {{ include "specserve.servePort" $ }}
+    - {name: metrics, containerPort: {{ $.Values.rayPorts.metricsExport | int }}}
   {{- $secret := include "specserve.apiKeySecret" $ }}
   env:
     # Ray would start its workers (the Serve replicas and their vLLM engines) at
@@ -186,14 +255,25 @@ applications:
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- with $g.startupProbe }}
+  startupProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.readinessProbe }}
+  readinessProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   volumeMounts:
     - {name: shm, mountPath: /dev/shm}
+    {{- if and .drafting (include "specserve.draftTlsSecret" $) }}
+    - {name: draft-tls, mountPath: {{ include "specserve.draftTlsDir" $ }}, readOnly: true}
+    {{- end }}
     {{- with $g.volumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end -}}
 
-{{/* Pod-level settings shared by the groups: (dict "ctx" $ "group" $values). */}}
+{{/* Pod-level settings shared by the groups: (dict "ctx" $ "group" $values "drafting" bool). */}}
 {{- define "specserve.podSpec" -}}
 {{- $ := .ctx -}}
 {{- with $.Values.imagePullSecrets }}
@@ -202,6 +282,9 @@ imagePullSecrets:
 {{- end }}
 {{- with .group.serviceAccountName }}
 serviceAccountName: {{ . }}
+{{- end }}
+{{- if not (kindIs "invalid" .group.terminationGracePeriodSeconds) }}
+terminationGracePeriodSeconds: {{ .group.terminationGracePeriodSeconds | int }}
 {{- end }}
 {{- with .group.securityContext }}
 securityContext:
@@ -231,7 +314,15 @@ affinity:
 {{- end }}
 volumes:
   - name: shm
-    emptyDir: {medium: Memory}
+    emptyDir:
+      medium: Memory
+      {{- with .group.shmSizeLimit }}
+      sizeLimit: {{ . }}
+      {{- end }}
+  {{- if and .drafting (include "specserve.draftTlsSecret" $) }}
+  - name: draft-tls
+    secret: {secretName: {{ include "specserve.draftTlsSecret" $ }}, defaultMode: 0440}
+  {{- end }}
   {{- with .group.volumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -248,13 +339,25 @@ volumes:
 {{/* A group's rayStartParams with the accelerator types its pools ask for
      advertised as Ray resources (accelerator_type:<T>), so KubeRay's
      autoscaler knows which group to grow for a bundle that asks for one:
-     (dict "params" $groupParams "types" (list "H100")). Explicit params win. */}}
+     (dict "ctx" $ "params" $groupParams "types" (list "H100")). Ray's fixed ports
+     (rayPorts) are added; explicit params win. */}}
 {{- define "specserve.groupStartParams" -}}
-{{- $p := deepCopy (.params | default dict) -}}
+{{- $p := merge (deepCopy (.params | default dict)) (include "specserve.rayPortParams" .ctx | fromJson) -}}
 {{- if and .types (not (hasKey $p "resources")) -}}
 {{- $res := dict -}}
 {{- range .types }}{{ $_ := set $res (printf "accelerator_type:%s" .) 1 }}{{ end -}}
 {{- $_ := set $p "resources" (printf "%q" (toJson $res)) -}}
 {{- end -}}
 {{- include "specserve.rayStartParams" $p -}}
+{{- end -}}
+
+{{/* A worker group's idleTimeoutSeconds (KubeRay reads it with autoscaler v2
+     only): (dict "ctx" $ "group" $settings "name" "target"). */}}
+{{- define "specserve.idleTimeout" -}}
+{{- if not (kindIs "invalid" .group.idleTimeoutSeconds) -}}
+{{- if ne (toString .ctx.Values.autoscaler.version) "v2" -}}
+{{- fail (printf "the %s group's idleTimeoutSeconds needs KubeRay's autoscaler v2; set autoscaler.version=v2 or remove it (autoscaler.idleTimeoutSeconds applies to every group)" .name) -}}
+{{- end -}}
+idleTimeoutSeconds: {{ .group.idleTimeoutSeconds | int }}
+{{- end -}}
 {{- end -}}

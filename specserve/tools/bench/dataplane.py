@@ -24,6 +24,8 @@ settings as `TargetEngine.start` does (`SinkSettings`).
 
 from __future__ import annotations
 
+import array
+import bisect
 import contextlib
 import ctypes
 import dataclasses
@@ -34,7 +36,7 @@ import sys
 import time
 import types
 
-from specserve.tools.bench.dataplane_draft import DraftProcesses
+from specserve.tools.bench.dataplane_draft import MAX_HEARD, DraftProcesses
 from specserve.tools.bench.dataplane_loop import EngineLoop, calibrate_gil
 from specserve.tools.bench.dataplane_workload import Plan, cell_figures, minus, true_tokens
 
@@ -127,24 +129,24 @@ def attach(proposer, batch) -> None:
 
 class _Watch:
     """Round trips: a verified update out of propose() -> the draft's first message
-    built on it (its window starts at or past the update's end) applied to the book.
+    for that request into the book after the draft heard the update (its answer,
+    built on the new verified position). Drafts go out as deltas, so a message's
+    position does not say what the draft had heard: the draft processes note when
+    each update reached them (`DraftProcesses.heard`), and the answers are
+    matched at the end of the measured window (`measure`).
 
     Wraps the sink's book's `propose_rows` (to see the verified batches it hands
-    out, and when) and `extend_batch` (to see, per request, when a window built
-    on a newer verified position first arrives). Both wrappers cost a clock read
-    and a dict update per request, in the same threads as the calls they wrap."""
+    out, and when) and `extend_batch` (to note when a message for each request
+    arrives). Both wrappers cost a clock read and a list append per request, in
+    the same threads as the calls they wrap."""
 
     def __init__(self, sink):
         book = sink._book
         self._propose, self._extend = book.propose_rows, book.extend_batch
         book.propose_rows, book.extend_batch = self._on_propose, self._on_extend
         self.handed: list = []  # (updates, when), drained by collect()
-        self.newest: dict = {}  # key -> (position, when) of the first message built on it
-        self.waiting: dict = {}  # key -> [(end, when sent)], oldest first
-        self.round_trips: list[float] = []
-        self.answered: list[tuple] = []  # (request id, end, sent, answer in the book)
-        self.handed_out: list[tuple] = []  # (request id, end, sent): every update, answered or not
-        self.unanswered = 0
+        self.handed_out: list[tuple] = []  # (request id, end, sent): every update in the window
+        self.arrivals: dict = {}  # key -> array of when its messages reached the book
 
     def _on_propose(self, *args, **kwargs):
         proposals, verified = self._propose(*args, **kwargs)
@@ -154,56 +156,51 @@ class _Watch:
 
     def _on_extend(self, stream, keys, positions, *args, **kwargs):
         now = time.monotonic()
-        for key, position in zip(keys, list(positions)):
-            last = self.newest.get(key)
-            if last is None or position > last[0]:
-                self.newest[key] = (position, now)
+        arrivals = self.arrivals
+        for key in keys:
+            got = arrivals.get(key)
+            if got is None:
+                got = arrivals[key] = array.array("d")
+            got.append(now)
         return self._extend(stream, keys, positions, *args, **kwargs)
 
     def collect(self, now: float) -> None:
-        """Match the updates handed out with answers seen (called between steps)."""
+        """Note the updates handed out since the last call (called between steps)."""
         handed, self.handed = self.handed, []
         for verified, when in handed:
             for key, end in zip(verified.keys, (verified.positions + verified.counts).tolist()):
-                self.waiting.setdefault(key, []).append((end, when))
                 if len(self.handed_out) < MAX_HANDED:
                     self.handed_out.append((key, end, when))
-        for key in list(self.waiting):
-            pending = self.waiting[key]
-            seen = self.newest.get(key)
-            while pending and seen is not None and seen[0] >= pending[0][0] \
-                    and seen[1] >= pending[0][1]:
-                end, sent = pending.pop(0)
-                self.round_trips.append(seen[1] - sent)
-                self.answered.append((key, end, sent, seen[1]))
-            while pending and now - pending[0][1] > UNANSWERED_S:
-                pending.pop(0)
-                self.unanswered += 1
-            if not pending:
-                del self.waiting[key]
-        if len(self.newest) > 65536:  # closed requests' entries
-            self.newest = {k: v for k, v in self.newest.items() if k in self.waiting}
 
     def reset(self) -> None:
-        self.round_trips, self.unanswered, self.answered, self.handed_out = [], 0, [], []
+        """The measured window starts: what came before is forgotten."""
+        self.handed, self.handed_out, self.arrivals = [], [], {}
 
-    def legs(self, heard: dict) -> tuple[list[float], list[float]]:
-        """The round trip's legs where the draft noted an update's arrival: sink ->
-        draft for every update it got (answered or not: an overrun draft is late
-        here), draft -> book for the answered ones."""
-        out = [heard[(rid, end)] - sent for rid, end, sent in self.handed_out
-               if heard.get((rid, end), -1.0) >= sent]
-        back = []
-        for rid, end, sent, answer in self.answered:
-            got = heard.get((rid, end))
-            if got is not None and sent <= got <= answer:
+    def measure(self, heard: dict, until: float, heard_complete: bool = True) -> dict:
+        """The round trips of the updates handed out in the window, and their
+        legs (sink -> draft for every update the draft got; draft -> book for
+        the answered ones). heard: (request id, end) -> when the update reached
+        its draft (heard_complete: every arrival is in it; else one missing
+        from it says nothing). An update handed out at least UNANSWERED_S
+        before `until` with no answer within UNANSWERED_S is unanswered."""
+        trips, out, back, unanswered = [], [], [], 0
+        for rid, end, sent in self.handed_out:
+            got = heard.get((rid, end), -1.0)
+            if got >= sent:
+                out.append(got - sent)
+            answer = None
+            arrivals = self.arrivals.get(rid)
+            if got >= sent and arrivals is not None:
+                i = bisect.bisect_left(arrivals, got)
+                if i < len(arrivals):
+                    answer = arrivals[i]
+            if answer is not None and answer - sent <= UNANSWERED_S:
+                trips.append(answer - sent)
                 back.append(answer - got)
-        return out, back
-
-    def forget(self) -> None:
-        """Between cells: nothing outstanding carries over."""
-        self.collect(time.monotonic())
-        self.waiting, self.newest = {}, {}
+            elif sent <= until - UNANSWERED_S and (got >= sent or heard_complete):
+                unanswered += 1
+        return {"round_trips": trips, "unanswered": unanswered, "to_draft": out,
+                "from_draft": back}
 
 
 # ---- cells ----------------------------------------------------------------------------
@@ -245,16 +242,19 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     d0, td0 = drafts.report(f"{label}/0")
     drafts.heard(f"{label}/0")  # (forgets what came before the measured window)
     s0, t0, cpu0 = sink.stats(), time.monotonic(), time.process_time()
-    watch.collect(t0)
     watch.reset()
     g0, v0 = loop.gained, loop.verify_steps
     steps, proposes = loop.run_for(plan.duration_s, between)
     s1, t1, cpu1 = sink.stats(), time.monotonic(), time.process_time()
     watch.collect(t1)
+    # (answers to the window's last updates, before the drafts are asked)
+    loop.run_for(UNANSWERED_S, between)
     d1, td1 = drafts.report(f"{label}/1")
-    to_draft, from_draft = watch.legs(drafts.heard(f"{label}/1"))
+    heard = drafts.heard(f"{label}/1")
+    trips = watch.measure(heard, until=t1 + UNANSWERED_S,
+                          heard_complete=len(heard) < MAX_HEARD)
     loop.stop_all()
-    watch.forget()
+    watch.reset()
     closed = time.monotonic() + CLOSE_TIMEOUT_S
     while _registered(sink) > 0 and time.monotonic() < closed:
         time.sleep(0.05)
@@ -263,11 +263,11 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     baseline_steps += _baseline(rows, context, plan, gil_work, plan.baseline_s / 2)
     figures = cell_figures(
         rows, context, plan.k, propose_s=proposes, steps_s=steps,
-        baseline_steps_s=baseline_steps, round_trips_s=watch.round_trips,
-        missed_round_trips=watch.unanswered, sink_delta=minus(s1, s0), seconds=t1 - t0,
+        baseline_steps_s=baseline_steps, round_trips_s=trips["round_trips"],
+        missed_round_trips=trips["unanswered"], sink_delta=minus(s1, s0), seconds=t1 - t0,
         drafts_delta=minus(d1, d0), drafts_seconds=td1 - td0, rss_mb=max(rss1 - rss0, 0.0),
         gained=gained, verify_steps=verify_steps, cpu_s=cpu1 - cpu0,
-        legs=(to_draft, from_draft))
+        legs=(trips["to_draft"], trips["from_draft"]))
     figures["load_average_1m"] = round(os.getloadavg()[0], 2)  # the machine's, at the cell's end
     return figures
 

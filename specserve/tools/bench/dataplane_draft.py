@@ -4,9 +4,9 @@ Owns one draft replica's side of the data plane with no model: a real
 `SinkLink` (one gRPC stream to the sink, as a draft replica has), the draft
 state of every request it was given, and a batched draft step every
 `DraftPlan.draft_step_ms` that drafts each request's next tokens at
-`DraftPlan.rate` tokens per second and sends its window as `DraftRunner`
-does (the whole window from the verified position, one message per request
-per step, with branches). Never decides anything the target decides.
+`DraftPlan.rate` tokens per second and hands its link the window as
+`DraftRunner` does (the whole window from the verified position, with
+branches, each step; the link sends what the sink lacks). Never decides anything the target decides.
 
 Drafted tokens follow the synthetic draft's rule (specserve/draft/synthetic.py
 `drafted_token`, `alternatives`): position q carries T_r[q] with probability
@@ -48,9 +48,9 @@ from specserve.tools.bench.dataplane_workload import DraftPlan, true_token, true
 
 log = logging.getLogger(__name__)
 
-# Arrival times of verified updates kept between two asks (~24 MB at most): a
+# Arrival times of verified updates kept between two asks (~60 MB at most): a
 # monotonic clock is one clock for every process of the machine.
-MAX_HEARD = 200_000
+MAX_HEARD = 500_000
 
 
 class _Request:
@@ -75,7 +75,7 @@ class DraftReplica:
         self.plan = plan
         self.commands, self.results = commands, results
         self.requests: dict[str, _Request] = {}
-        self.counts = {"drafted_tokens": 0, "wire_tokens": 0, "messages": 0, "rollbacks": 0,
+        self.counts = {"drafted_tokens": 0, "messages": 0, "rollbacks": 0,
                        "branches_taken": 0, "requests": 0}
         self._split: dict[int, list[int]] = {}  # window span -> alternatives per position
         self.heard: dict[tuple[str, int], float] = {}  # (request, update's end) -> monotonic s
@@ -129,7 +129,6 @@ class DraftReplica:
             branches = self._branches(r)
             self.link.send_draft(r.rid, r.v, r.win, branches)
             self.counts["messages"] += 1
-            self.counts["wire_tokens"] += len(r.win) + sum(len(b) for _, b in branches)
 
     # ---- from the sink (as DraftRunner._on_verified) -------------------------------
 
@@ -188,6 +187,7 @@ class DraftReplica:
         elif kind == "report":
             self.results.put(("report", self.index, cmd[1], {**self.counts,
                               "dropped": self.link.dropped, "open": len(self.requests),
+                              "wire_tokens": self.link.tokens_sent,
                               "cpu_s": time.process_time()},
                               time.monotonic()))
         elif kind == "heard":  # when the updates got here since the last ask (then forgotten)

@@ -1,0 +1,102 @@
+"""The metric catalogue (specserve.acceptance.catalogue) is what /metrics, Ray's
+metrics, docs/metrics.md and the Grafana dashboard come from; label values are
+escaped so that any draft name leaves the scrape parseable."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve.acceptance import catalogue
+from specserve.acceptance.exposition import escape, family
+from specserve.acceptance.outcomes import HttpOutcomes
+from specserve.acceptance.prometheus import prometheus_lines
+from specserve.acceptance.record import Acceptance, TargetReport
+from specserve.acceptance.replicas import ReplicaTable
+from specserve.acceptance.stats import RequestRecord, SpecStats
+from specserve.control import pools
+from specserve.target.engine import SpecTotals
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from grafana import grafana_expressions, promql_metrics  # noqa: E402
+
+ODD = 'we"ird\\name\nx'  # a draft name from gRPC metadata
+
+
+def full_metrics_text(draft_model="d", draft_replica="r1") -> str:
+    """What the router's /metrics writes, every family filled."""
+    stats = SpecStats(4)
+    stats.record(RequestRecord(TargetReport("t1", draft_model, draft_replica,
+                                            Acceptance(4, 10, 8, (1, 1, 1)), draft_lag=0.5),
+                               0.1, 0.5, 100.0))
+    stats.current_k[draft_model] = 4
+    outcomes = HttpOutcomes()
+    outcomes.started("/v1/completions")
+    outcomes.responded("/v1/completions", 200)
+    outcomes.stream_failed("/v1/completions")
+    outcomes.ended("/v1/completions", aborted=True)
+    table = ReplicaTable()
+    table.update({"replica": "t1", "model_name": "tiny", "engine": SpecTotals(
+        accepted_per_position=[1, 0]).snapshot(),
+        "branches": {f"{draft_model}/{draft_replica}": {"branch_hits": 1}}}, now=100.0)
+    lines = [*prometheus_lines(stats, 100.0), *outcomes.prometheus_lines(),
+             *pools.prometheus_lines(pools.replica_counts({"target": {"RUNNING": 1}},
+                                                          {"target": (1, 1)})),
+             *table.prometheus_lines(now=100.0)]
+    return "\n".join(lines) + "\n"
+
+
+def test_metrics_families_are_the_catalogues_with_their_type_help_and_labels():
+    families = {f.name: f for f in text_string_to_metric_families(full_metrics_text())}
+    # the parser names a counter family without its _total
+    by_family = {(m.name[: -len("_total")] if m.type == "counter" else m.name): m
+                 for m in catalogue.BY_NAME.values()}
+    assert set(families) == set(by_family)  # each catalogued family is written, no other
+    for name, fam in families.items():
+        m = by_family[name]
+        assert fam.type == m.type and fam.documentation == m.help, name
+        assert fam.samples, name
+        for s in fam.samples:
+            assert set(s.labels) - {"le"} == set(m.labels), (name, s.labels)
+
+
+def test_a_label_value_with_quote_backslash_newline_keeps_the_scrape_parseable():
+    assert escape(ODD) == 'we\\"ird\\\\name\\nx'
+    text = full_metrics_text(draft_model=ODD)
+    models = {s.labels.get("draft_model") for f in text_string_to_metric_families(text)
+              for s in f.samples}
+    assert ODD in models
+
+
+def test_a_family_refuses_labels_the_catalogue_does_not_have():
+    with pytest.raises(ValueError, match="labels"):
+        family("specserve_k", [({"draft_model": "d", "extra": 1}, 4)])
+    with pytest.raises(KeyError, match="catalogue"):
+        family("specserve_not_catalogued", [])
+
+
+def test_latency_buckets_are_vllms():
+    from vllm.v1.metrics import buckets
+
+    assert catalogue.TTFT_BUCKETS_S == buckets.TIME_TO_FIRST_TOKEN_BUCKETS
+    assert catalogue.ITL_BUCKETS_S == buckets.INTER_TOKEN_LATENCY_BUCKETS
+    assert catalogue.E2E_BUCKETS_S == buckets.REQUEST_LATENCY_BUCKETS
+
+
+def test_every_dashboard_query_names_catalogued_metrics():
+    names = catalogue.series_names()
+    for expr in grafana_expressions():
+        metrics, _ = promql_metrics(expr)
+        assert metrics and metrics <= names, (expr, sorted(metrics - names))
+    assert "specserve_branch_hits_total" in names and "specserve_no_such" not in names
+
+
+def test_docs_table_is_the_catalogues():
+    doc = (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")
+    begin, end = catalogue.DOC_BEGIN, catalogue.DOC_END
+    assert begin in doc and end in doc, "docs/metrics.md lacks the catalogue markers"
+    table = doc[doc.index(begin) + len(begin):doc.index(end)].strip("\n")
+    assert table == catalogue.markdown_table(), (
+        "docs/metrics.md's table is stale: run `python -m specserve.acceptance.catalogue`")
