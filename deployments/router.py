@@ -285,9 +285,16 @@ class Router:
                            type="authentication_error", code="invalid_api_key")
 
     async def _health(self):
-        """200 once a target replica's engine answers; 503 (with why) until then."""
+        """200 once a target replica's engine answers; 503 (with why) until then.
+        A full target queue (quotas.max_queued_requests) is 200 "busy": the
+        replicas are up, and a readiness probe that took every router out of
+        its Service while they are busy would turn load into an outage."""
+        from ray.serve.exceptions import BackPressureError
+
         try:
             await asyncio.wait_for(self.target.ready.remote(), HEALTH_WAIT_S)
+        except BackPressureError:
+            return _json({"status": "busy"})
         except Exception as e:
             why = ("no target replica answered within "
                    f"{HEALTH_WAIT_S:g} s" if isinstance(e, asyncio.TimeoutError)

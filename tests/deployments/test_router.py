@@ -11,7 +11,7 @@ import json
 import pytest
 
 from deployments.router import HEALTH_WAIT_S, Router
-from fake_target import FakeStream, FakeTarget, json_answer, replica_report, sse_answer
+from fake_target import FakeRemote, FakeStream, FakeTarget, json_answer, replica_report, sse_answer
 from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
 from specserve.openai_api import ApiError
@@ -186,6 +186,8 @@ def test_any_of_several_keys_is_accepted_in_constant_time(monkeypatch):
 
 
 def test_healthz_needs_a_target_replica_that_answers(monkeypatch):
+    from ray.serve.exceptions import BackPressureError
+
     monkeypatch.setattr("deployments.router.HEALTH_WAIT_S", 0.05)
 
     async def go():
@@ -194,6 +196,11 @@ def test_healthz_needs_a_target_replica_that_answers(monkeypatch):
         assert status == 503 and json.loads(got)["error"]["code"] == "target_unavailable"
         status, _, got = await answer(router(FakeTarget()), request("GET", "/healthz"))
         assert status == 200 and json.loads(got) == {"status": "ok"}
+        busy = FakeTarget()  # its queue is full (quotas.max_queued_requests)
+        busy.ready = FakeRemote(error=BackPressureError(num_queued_requests=1,
+                                                        max_queued_requests=1))
+        status, _, got = await answer(router(busy), request("GET", "/healthz"))
+        assert status == 200 and json.loads(got) == {"status": "busy"}
 
     asyncio.run(go())
     assert HEALTH_WAIT_S > 0.05  # the real wait is longer
