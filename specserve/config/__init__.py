@@ -6,6 +6,7 @@
 - `speculation`: K, W, branches, the bounded wait, the K controller's thresholds
   (`kcontrol`), the W > K rule;
 - `quotas`: per-request limits, the target queue, the request timeout;
+- `http`: the HTTP ingress (listen address, API keys, body size);
 - `naming`: the draft pool name rule and names made from model folders;
 - `fit`: what the deployments ask of a local cluster, checked before Ray starts.
 
