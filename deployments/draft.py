@@ -9,7 +9,6 @@ simply ends the call: the target goes on alone.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
@@ -18,11 +17,6 @@ from specserve import logs
 from specserve.config import DraftConfig
 
 log = logging.getLogger("specserve.draft")
-
-# A sink unreachable this long means its target replica is gone (a restarted
-# target listens elsewhere): stop drafting for its requests, whether or not
-# the dead target's call is ever cancelled.
-SINK_LOST_S = 30.0
 
 
 class DraftServer:
@@ -51,23 +45,13 @@ class DraftServer:
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0, ticket: str = ""):
-        """Draft for one request until the caller cancels (streaming call);
-        ticket: the one the target registered the request with at its sink."""
+        """Draft for one request until the caller cancels (a streaming call:
+        the draft worker's one entry point, DraftWorker.draft); ticket: the
+        one the target registered the request with at its sink."""
         log.debug("drafting %s for %s", request_id, sink_address)
-        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k,
-                          ticket=ticket)
-        try:
-            _, lag = self.runner.timeliness()
-            yield {"replica": replica_name(), "model": self.config.name, "lag": lag}
-            while True:  # until cancelled, or the target is gone
-                await asyncio.sleep(5)
-                down = self.runner.sink_down_for(sink_address)
-                if down > SINK_LOST_S:
-                    log.warning("sink %s unreachable for %.0f s: stop drafting %s",
-                                sink_address, down, request_id)
-                    return
-        finally:
-            self.runner.cancel(request_id)
+        async for hello in self.worker.draft(request_id, prompt_ids, sink_address, lookahead,
+                                             max_tokens, k, ticket):
+            yield {**hello, "replica": replica_name(), "model": self.config.name}
 
     def active(self) -> int:
         """Requests this replica is drafting for now."""

@@ -32,7 +32,8 @@ from specserve import logs
 from specserve.config import AppConfig
 from specserve.openai_api import TargetUnavailable
 from specserve.target import openai_app
-from specserve.target.drafting import ROUTE, DraftingEngine, Route
+from specserve.target.drafting import (ROUTE, DraftingEngine, DraftStream, FollowedDraft,
+                                       NoDraft, Route)
 from specserve.tls import TlsFiles
 
 log = logging.getLogger("specserve.target")
@@ -203,28 +204,19 @@ class TargetServer:
         return self._app
 
     def _open_draft(self, pool: str, request_id: str, prompt_ids: list[int],
-                    max_tokens: int, k: int, ticket: str) -> "_Drafting":
+                    max_tokens: int, k: int, ticket: str) -> DraftStream:
         """Ask a replica of `pool` to stream drafts for one sequence to our sink
         (registered there with `ticket`). Fire and forget: a dead or slow draft
         pool only costs speed."""
         who = {"model": pool, "k": k}
         if pool not in self.drafts:
-            return _Drafting(None, None, who)
+            return NoDraft(who)
+        from ray.serve.exceptions import RequestCancelledError
+
         call = self.drafts[pool].options(stream=True).draft.remote(
             request_id, prompt_ids, self.sink_address, self.lookahead, max_tokens, k, ticket)
-
-        async def follow():
-            from ray.serve.exceptions import RequestCancelledError
-
-            try:
-                async for hello in call:
-                    who.update(hello)
-            except (asyncio.CancelledError, RequestCancelledError):
-                pass  # the request is done: we cancelled the draft call
-            except Exception as e:  # drafts are hints: the target goes on alone
-                log.warning("draft for %s ended: %s", request_id, e)
-
-        return _Drafting(call, asyncio.get_running_loop().create_task(follow()), who)
+        return FollowedDraft(call, who, request_id, cancel=call.cancel,
+                             stopped=(RequestCancelledError,))
 
     def record_autoscaling_stats(self) -> dict:
         """Figures for specserve.control.autoscale.target_policy (Serve calls this)."""
@@ -304,15 +296,3 @@ class TargetServer:
         """True once this replica's engine can serve (the router's /healthz)."""
         await self.engine.check_health()
         return True
-
-
-class _Drafting:
-    """One running draft stream (a streaming call to a draft replica)."""
-
-    def __init__(self, call, task, who: dict):
-        self._call, self._task, self.who = call, task, who
-
-    def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._task.cancel()

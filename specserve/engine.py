@@ -11,6 +11,7 @@ both start their engines here; neither imports the other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -76,6 +77,28 @@ def cpu_binding(tp: int, cores: int | None = None) -> tuple[str | None, str | No
     if 1 < tp <= cores:
         return "|".join(str(i) for i in range(tp)), f"0-{cores - 1}"
     return None, None
+
+
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str | None]):
+    """Set (None: unset) environment variables for the block, then restore
+    them: an engine's processes read their settings from the environment they
+    inherit at spawn, and two engines in one process (LocalSpec's target and
+    draft) need different ones (their core lists)."""
+    before = {var: os.environ.get(var) for var in values}
+
+    def put(vals):
+        for var, value in vals.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+    put(values)
+    try:
+        yield
+    finally:
+        put(before)
 
 
 def apply_cpu_env(s: EngineSettings) -> None:

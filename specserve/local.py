@@ -1,18 +1,22 @@
-"""LocalSpec: a draft process and a target engine on one machine, talking gRPC.
+"""LocalSpec: a draft worker and a target engine on one machine, drafts over gRPC.
 
-Owns the life of one local speculative-decoding setup, as `specserve generate`
-and the tests use it: start a draft process (`specserve.draft.server`) and a
-target vLLM engine whose proposer listens for drafts, run each request through
-the same engine client as a Serve target replica (`DraftingEngine`: it
-registers the request with the sink and then asks the draft process to draft
-for it, Drafter.Start), and tear everything down. With no draft it is the
-target alone with the same engine settings.
+Owns the life of one local speculative-decoding setup, as `specserve generate`,
+the bench, the calibration, `make gpu-check` and the tests use it: start a
+target vLLM engine whose proposer listens for drafts and a draft worker
+(`specserve.draft.worker.DraftWorker`, the one Serve's draft replicas run;
+its vLLM engine in processes of its own), run each request through the same
+engine client as a Serve target replica (`DraftingEngine`: it registers each
+sequence with the sink, then follows the draft worker's entry point,
+`DraftWorker.draft`, as a Serve target follows a draft replica's streaming
+call), and tear everything down. Drafts reach the target's sink over the same
+gRPC stream as in Serve. With no draft it is the target alone with the same
+engine settings.
 
-The draft is only ever a hint: if the draft process is missing, slow or dead,
+The draft is only ever a hint: if the draft is missing, slow or dead,
 requests run on the target alone and give the same greedy output.
 
 A synthetic draft (`synthetic:A[@Dms]`, specserve/draft/synthetic.py) replays
-the target's greedy output: given `replay` records, its process starts with
+the target's greedy output: given `replay` records, its worker starts with
 them; otherwise `record_replay` (which `run_prompts` calls) first runs the
 prompts greedily on the target engine alone and then starts it.
 """
@@ -23,20 +27,15 @@ import asyncio
 import dataclasses
 import logging
 import os
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
-
-import grpc
 
 from specserve.acceptance.record import Acceptance, Figures
 from specserve.config import lookahead_problem, lookahead_tokens
 from specserve.engine import EngineSettings, cpu_binding
+from specserve.target.drafting import DraftStream, FollowedDraft, NoDraft
 from specserve.target.engine import SpecTotals, TargetEngine
-from specserve.ports import free_port
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,6 @@ class LocalSpec:
         lookahead: int | None = None,
         tp: int = 1,
         settings: EngineSettings | None = None,
-        draft_ready_timeout: float = 300.0,
         sink_only: bool = False,
         tls=None,
         draft_tls=None,
@@ -70,7 +68,7 @@ class LocalSpec:
         speculation=None,
         thresholds=None,
     ):
-        """sink_only: no draft process, but the target's sink listens (k > 0) for
+        """sink_only: no draft worker, but the target's sink listens (k > 0) for
         drafts from elsewhere; tests use it to play a draft themselves.
         tls: a specserve.tls.TlsFiles: mutual TLS between draft and sink.
         draft_tls: the draft's own files if they differ (tests: a wrong certificate).
@@ -95,20 +93,15 @@ class LocalSpec:
         self.lookahead = lookahead_tokens(k, lookahead)
         self.tp = tp
         self.settings = settings or EngineSettings()
-        self.draft_ready_timeout = draft_ready_timeout
         self.target_engine: TargetEngine | None = None
         self.engine = None  # the target's AsyncLLM
         self.totals: SpecTotals = SpecTotals()
-        self.draft_process: subprocess.Popen | None = None
+        self.draft_worker = None  # the DraftWorker, once started
         self.sink_address: str | None = None
-        self._draft_stub = None
-        self._draft_channel = None
         self._tmp = tempfile.TemporaryDirectory(prefix="specserve-")
-        self.draft_failures = 0
         self._client = None  # the DraftingEngine on the target engine, made on first use
         # sequence id -> (its registration ticket, its prompt ids), while it runs
         self.tickets: dict[str, tuple[str, list[int]]] = {}
-        self._closing: set = set()  # Drafter.Cancel calls in flight
         self.tls = tls
         self.draft_tls = draft_tls if draft_tls is not None else tls
         from specserve.config import SpeculationConfig
@@ -143,52 +136,44 @@ class LocalSpec:
             return None, None  # the user's choice
         return cpu_binding(self.tp)
 
-    def _start_draft_process(self, extra: list[str] = ()) -> None:
+    def _start_draft_worker(self, replay_path: str | None = None,
+                            vocab_size: int | None = None) -> None:
+        """The draft worker Serve's draft replicas run, with the target's engine
+        settings (a CPU draft's KV cache as the target's: without it vLLM
+        reserves 92 % of the memory for the draft) and its own cores."""
+        from specserve.draft.runner import BranchPlan
+        from specserve.draft.worker import DraftWorker
+
         _, draft_cpus = self._cpu_binding()
-        draft_env = dict(os.environ)
-        if draft_cpus is not None:
-            draft_env["VLLM_CPU_OMP_THREADS_BIND"] = draft_cpus
-        control_port = free_port()
-        self.draft_process = subprocess.Popen(
-            [sys.executable, "-m", "specserve.draft.server", "--model", self.draft,
-             "--port", str(control_port), "--seed", str(self.settings.seed),
-             "--dtype", self.settings.dtype, "--max-num-seqs", str(self.settings.max_num_seqs)]
-            + (["--max-model-len", str(self.settings.max_model_len)]
-               if self.settings.max_model_len else [])
-            # Its KV cache as the target's (CPU): without it vLLM reserves 92 % of
-            # the memory for the draft, and refuses to start when the target,
-            # loading at the same time, has taken more than 8 %.
-            + (["--kv-cache-gib", str(int(self.settings.kv_cache_gib))]
-               if self.settings.kv_cache_gib is not None else [])
-            + (["--tls-ca", self.draft_tls.ca_file, "--tls-cert", self.draft_tls.cert_file,
-                "--tls-key", self.draft_tls.key_file]
-               + (["--tls-server-name", self.draft_tls.server_name]
-                  if self.draft_tls.server_name else [])
-               if self.draft_tls is not None else [])
-            + ["--branch-fan-out", str(self.speculation.branch_fan_out),
-               "--branch-budget", str(self.speculation.branch_alternatives()),
-               "--branch-len", str(self.speculation.branch_tokens()),
-               "--branch-positions", str(self.k + 1),
-               "--name", f"{self.draft}/local-0"]
-            + list(extra),
-            stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL, env=draft_env,
-        )
-        self._draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{control_port}")
-        self._draft_stub = spec_pb2_grpc.DrafterStub(self._draft_channel)
+        spec = self.speculation
+        plan = BranchPlan(spec.branch_fan_out, spec.branch_alternatives(),
+                          spec.branch_tokens(), positions=self.k + 1)
+        try:
+            self.draft_worker = DraftWorker.start(
+                self.draft, self.settings, tls=self.draft_tls, cpus=draft_cpus,
+                replay_path=replay_path, vocab_size=vocab_size, branches=plan,
+                name=f"{self.draft}/local-0")
+        except ValueError as e:
+            raise ValueError(f"draft: {e}") from None
 
     async def _start_synthetic(self, replay) -> None:
         from specserve.draft.synthetic import write_replay
 
         path = Path(self._tmp.name) / "replay.jsonl"
         write_replay(path, replay)
-        self._start_draft_process(["--replay", str(path), "--vocab-size",
-                                   str(self.engine.model_config.get_vocab_size())])
-        await self._wait_for_draft()
+        self._start_draft_worker(str(path), self.engine.model_config.get_vocab_size())
+
+    async def stop_draft(self) -> None:
+        """Stop the draft worker (the target goes on alone; a later
+        `_start_synthetic` starts another)."""
+        if self.draft_worker is not None:
+            worker, self.draft_worker = self.draft_worker, None
+            await worker.close()
 
     async def record_replay(self, prompts_ids: list[list[int]], max_tokens: int) -> None:
         """Synthetic draft only: record the target's greedy output for these
         prompts (on the target engine, no drafts yet) and start the draft."""
-        if self.synthetic is None or self.draft_process is not None:
+        if self.synthetic is None or self.draft_worker is not None:
             return
         from vllm import SamplingParams
 
@@ -200,9 +185,7 @@ class LocalSpec:
 
     async def _start(self) -> None:
         target_cpus, _ = self._cpu_binding()
-        if self.draft is not None and self.synthetic is None:
-            self._start_draft_process()  # it loads while the target engine starts
-        # Building the engine blocks for a while; the draft process loads meanwhile.
+        # Building an engine blocks for a while: the target first, then the draft.
         self.target_engine = TargetEngine.start(
             self.target, self.settings, tp=self.tp, k=self.k, tls=self.tls, cpus=target_cpus,
             max_wait_ms=self.speculation.max_wait_ms,
@@ -214,35 +197,10 @@ class LocalSpec:
             if self.replay is not None:
                 await self._start_synthetic(self.replay)
         elif self.draft is not None:
-            await self._wait_for_draft()
-
-    async def _wait_for_draft(self) -> None:
-        deadline = time.monotonic() + self.draft_ready_timeout
-        while True:
-            if self.draft_process.poll() is not None:
-                raise RuntimeError(
-                    f"draft process exited with code {self.draft_process.returncode}; "
-                    "see its log above")
-            try:
-                await self._draft_stub.Health(spec_pb2.HealthCheck(), timeout=2.0)
-                return
-            except grpc.aio.AioRpcError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("draft process did not become ready in time") from None
-                await asyncio.sleep(0.5)
+            self._start_draft_worker()
 
     async def aclose(self) -> None:
-        if self._closing:  # the last requests' Drafter.Cancel calls
-            await asyncio.wait(list(self._closing), timeout=5)
-        if self._draft_channel is not None:
-            await self._draft_channel.close()
-            self._draft_channel = None
-        if self.draft_process is not None and self.draft_process.poll() is None:
-            self.draft_process.terminate()
-            try:
-                await asyncio.to_thread(self.draft_process.wait, 30)
-            except subprocess.TimeoutExpired:
-                self.draft_process.kill()
+        await self.stop_draft()
         if self.target_engine is not None:
             self.target_engine.shutdown()
             self.target_engine = self.engine = None
@@ -304,62 +262,30 @@ class LocalSpec:
         return list(o.token_ids)
 
     def _open_draft(self, pool: str, rid: str, prompt_ids: list[int], max_tokens: int, k: int,
-                    ticket: str) -> "_LocalDraft":
-        """DraftingEngine's open_draft: ask the draft process to draft for one
-        registered sequence (Drafter.Start), in the background."""
+                    ticket: str) -> DraftStream:
+        """DraftingEngine's open_draft: follow the draft worker's entry point
+        for one registered sequence, as a Serve target follows a draft replica."""
         # tests that play the draft themselves (sink_only) read these
         self.tickets[rid] = (ticket, list(prompt_ids))
-        return _LocalDraft(self, rid, prompt_ids, max_tokens, k if self.controller else 0,
-                           ticket)
-
-    async def _start_draft(self, rid: str, prompt_ids: list[int], max_tokens: int,
-                           k: int, ticket: str) -> bool:
-        if self._draft_stub is None:
-            return False
-        try:
-            await self._draft_stub.Start(
-                spec_pb2.StartDraft(
-                    request_id=rid, prompt_token_ids=prompt_ids,
-                    sink_address=self.sink_address, lookahead=self.lookahead,
-                    max_tokens=max_tokens, max_draft_tokens=k, ticket=ticket,
-                ),
-                timeout=5.0,
-            )
-            return True
-        except grpc.aio.AioRpcError as e:
-            # Drafts are hints: the request runs on the target alone.
-            self.draft_failures += 1
-            if self.draft_failures == 1:
-                log.warning("draft unavailable (%s); running target-only", e.code().name)
-            return False
-
-    async def _cancel_draft(self, rid: str) -> None:
-        try:
-            await self._draft_stub.Cancel(spec_pb2.CancelDraft(request_id=rid), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            pass
+        k = k if self.controller else 0  # 0: the sink's K for the request
+        who = {"model": pool, "k": k}
+        if self.draft_worker is None:
+            return _Forget(NoDraft(who), self.tickets, rid)
+        stream = self.draft_worker.draft(rid, prompt_ids, self.sink_address, self.lookahead,
+                                         max_tokens, k, ticket)
+        return _Forget(FollowedDraft(stream, who, rid), self.tickets, rid)
 
 
-class _LocalDraft:
-    """One sequence's drafting by LocalSpec's draft process (a DraftStream)."""
+class _Forget:
+    """A draft stream that also forgets the sequence's ticket when it closes."""
 
-    def __init__(self, spec: LocalSpec, rid: str, prompt_ids: list[int], max_tokens: int,
-                 k: int, ticket: str):
-        self.who = {"model": DRAFT_POOL, "k": k}
-        self._spec, self._rid = spec, rid
-        self._started = asyncio.get_running_loop().create_task(
-            spec._start_draft(rid, prompt_ids, max_tokens, k, ticket))
+    def __init__(self, stream: DraftStream, tickets: dict, rid: str):
+        self._stream, self._tickets, self._rid = stream, tickets, rid
+        self.who = stream.who
 
     def close(self) -> None:
-        self._spec.tickets.pop(self._rid, None)
-
-        async def cancel():
-            if await self._started:
-                await self._spec._cancel_draft(self._rid)
-
-        task = asyncio.get_running_loop().create_task(cancel())
-        self._spec._closing.add(task)
-        task.add_done_callback(self._spec._closing.discard)
+        self._tickets.pop(self._rid, None)
+        self._stream.close()
 
 
 def sampling_params(max_tokens: int, temperature: float, ignore_eos: bool):

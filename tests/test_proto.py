@@ -23,8 +23,7 @@ def test_generated_code_matches_the_proto(tmp_path):
 def test_every_message_names_its_request():
     from specserve.v1 import spec_pb2
 
-    for name in ("OpenRequest", "DraftTokens", "CloseRequest", "RequestError",
-                 "StartDraft", "CancelDraft"):
+    for name in ("OpenRequest", "DraftTokens", "CloseRequest", "RequestError"):
         fields = spec_pb2.DESCRIPTOR.message_types_by_name[name].fields_by_name
         assert "request_id" in fields, name
     assert "position" in spec_pb2.DESCRIPTOR.message_types_by_name["DraftTokens"].fields_by_name

@@ -1,24 +1,34 @@
-"""The one draft worker: a draft model and the runner that speculates with it.
+"""The one draft worker: a draft model, the runner that speculates with it, and its entry point.
 
-Owns starting and stopping what every draft replica runs, whoever drives it: a
+Owns starting and stopping what every draft replica runs, whoever hosts it: a
 draft model (a vLLM engine for a model folder, or the synthetic replay for
 `synthetic:A[@Dms]`) and its `DraftRunner`, which streams drafts to target
-sinks. Serve's draft replica (`deployments/draft.py`, driven by Ray streaming
-calls) and the stand-alone draft process (`specserve/draft/server.py`, driven by
-the gRPC Drafter service that `specserve generate` uses) both start one with
-`DraftWorker.start`. It never talks HTTP and never decides output.
+sinks; and `DraftWorker.draft`, the one way a target asks for drafts: a stream
+that drafts for one registered request for as long as the caller follows it.
+Serve's draft replica (`deployments/draft.py`) exposes it as a Ray streaming
+call; LocalSpec (`specserve generate`, the bench, the calibration,
+`make gpu-check`) hosts a worker in its own process and follows the same
+stream. It never talks HTTP and never decides output.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import AsyncIterator
 
 from specserve.draft.runner import BranchPlan, DraftRunner, VllmDraftModel
-from specserve.engine import EngineSettings, apply_cpu_env, engine_args, shutdown_engine
+from specserve.engine import (EngineSettings, apply_cpu_env, engine_args, scoped_env,
+                              shutdown_engine)
 
 log = logging.getLogger(__name__)
+
+# A sink unreachable this long means its target is gone (a restarted target
+# listens elsewhere): stop drafting for its requests, whether or not the
+# caller's stream is ever cancelled.
+SINK_LOST_S = 30.0
 
 
 @dataclasses.dataclass
@@ -56,9 +66,12 @@ class DraftWorker:
         from specserve.engine import start_engine
 
         apply_cpu_env(settings)
-        if cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus  # ignored on GPUs
-        engine, procs = start_engine(engine_args(resolve_draft(model), settings))
+        # The engine's processes read the core list at spawn (ignored on GPUs);
+        # the user's own setting wins.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus and \
+            "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else {}
+        with scoped_env(env):
+            engine, procs = start_engine(engine_args(resolve_draft(model), settings))
         # Branches from the engine's own logprobs, continued as batched requests:
         # one batched step on an accelerator, but a whole draft step per branch
         # on a CPU core, where pre-drafting starves the main line (measured:
@@ -74,6 +87,29 @@ class DraftWorker:
         runner = DraftRunner(VllmDraftModel(engine, engine.model_config.max_model_len, fan_out=fan),
                              tls=tls, branches=branches, name=name)
         return cls(runner, engine, procs)
+
+    async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
+                    lookahead: int, max_tokens: int, k: int = 0,
+                    ticket: str = "", poll_s: float = 5.0) -> AsyncIterator[dict]:
+        """Draft for one request the target registered at its sink (with
+        `ticket`) until the caller stops following this stream, or the sink
+        has been unreachable for SINK_LOST_S. Yields once, at the start:
+        {"lag": this worker's mean tokens behind the verified position}.
+        Raises ValueError for a request it cannot draft (the caller's error)."""
+        self.runner.start(request_id, prompt_ids, sink_address, lookahead, max_tokens, k,
+                          ticket=ticket)
+        try:
+            _, lag = self.runner.timeliness()
+            yield {"lag": lag}
+            while True:
+                await asyncio.sleep(poll_s)
+                down = self.runner.sink_down_for(sink_address)
+                if down > SINK_LOST_S:
+                    log.warning("sink %s unreachable for %.0f s: stop drafting %s",
+                                sink_address, down, request_id)
+                    return
+        finally:
+            self.runner.cancel(request_id)
 
     async def check_health(self) -> None:
         if self.engine is not None:

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from specserve.acceptance.record import Acceptance, TargetReport
@@ -64,6 +64,51 @@ class DraftStream(Protocol):
     who: dict  # {"model", "replica", "lag", "k"} as far as known
 
     def close(self) -> None: ...
+
+
+class NoDraft:
+    """A draft stream where no draft runs (no draft worker or pool handle)."""
+
+    def __init__(self, who: dict):
+        self.who = who
+
+    def close(self) -> None:
+        pass
+
+
+class FollowedDraft:
+    """A running draft stream: a task that follows a draft worker's stream
+    (`specserve.draft.worker.DraftWorker.draft`, directly or as a Ray
+    streaming call) and keeps what it says about itself in `who`. Drafts are
+    hints: a stream that fails is logged and the target goes on alone."""
+
+    def __init__(self, stream: AsyncIterator[dict], who: dict, request_id: str,
+                 cancel: Callable[[], None] | None = None,
+                 stopped: tuple[type[BaseException], ...] = ()):
+        """cancel: also called on close (a Ray call's own cancel); stopped:
+        the errors that mean the stream was cancelled (Ray Serve's
+        RequestCancelledError), not that it failed."""
+        self.who = who
+        self._cancel = cancel
+        self._stopped = (asyncio.CancelledError, *stopped)
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._follow(stream, request_id))
+
+    async def _follow(self, stream: AsyncIterator[dict], request_id: str) -> None:
+        try:
+            async for hello in stream:
+                self.who.update(hello)
+        except self._stopped:
+            pass  # the request is done: we stopped following
+        except Exception as e:
+            if not self._closed:
+                log.warning("draft for %s ended: %s", request_id, e)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._cancel is not None:
+            self._cancel()
+        self._task.cancel()
 
 
 OpenDraft = Callable[[str, str, list[int], int, int, str], DraftStream]

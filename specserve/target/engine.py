@@ -27,8 +27,8 @@ from pathlib import Path
 from specserve.acceptance.catalogue import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
 from specserve.acceptance.stats import LatencyHistogram
 from specserve.control.stepcost import StepCostFit
-from specserve.engine import (EngineSettings, apply_cpu_env, engine_args, shutdown_engine,
-                              start_engine)
+from specserve.engine import (EngineSettings, apply_cpu_env, engine_args, scoped_env,
+                              shutdown_engine, start_engine)
 from specserve.target import proposer, worker_hook
 
 log = logging.getLogger(__name__)
@@ -159,17 +159,6 @@ def spec_counter_factory():
     return SpecCounters, totals
 
 
-def _set_env(values: dict[str, str | None]) -> dict[str, str | None]:
-    """Set (None: unset) environment variables; returns what they were."""
-    before = {var: os.environ.get(var) for var in values}
-    for var, value in values.items():
-        if value is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = value
-    return before
-
-
 @dataclasses.dataclass
 class TargetEngine:
     """A started target: the AsyncLLM, its counters, its measured step cost,
@@ -244,8 +233,7 @@ class TargetEngine:
         factory, totals = spec_counter_factory()
         step_costs = StepCostFit()
         totals.step_observer = step_costs.add
-        saved = _set_env(env)
-        try:
+        with scoped_env(env):
             loggers = [factory]
             if engine_metrics:
                 from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
@@ -253,8 +241,6 @@ class TargetEngine:
                 loggers.append(RayPrometheusStatLogger)
             engine, procs = start_engine(engine_args(model, settings, **extra),
                                          stat_loggers=loggers)
-        finally:
-            _set_env(saved)
         try:
             sink = f"{sink_host}:{int(port_file.read_text())}" if k > 0 else None
         finally:

@@ -211,22 +211,17 @@ async def run_cell(spec, prompts: list[list[int]], max_tokens: int, concurrency:
 async def use_synthetic(spec, alpha: float, delay_ms: float = 0.0,
                         branches: bool = True) -> None:
     """Point a LocalSpec whose replay is recorded at a synthetic draft of acceptance
-    alpha, pre-drafting branches or not: the draft process is restarted with the
+    alpha, pre-drafting branches or not: the draft worker is restarted with the
     same replay (it is cheap: no model), the target engine stays."""
     from specserve.draft.synthetic import SyntheticSpec
 
     draft = str(SyntheticSpec(alpha, delay_ms))
     fan_out = spec.speculation.branch_fan_out
     want = (fan_out or 3) if branches else 0
-    if spec.draft == draft and spec.draft_process is not None and fan_out == want:
+    if spec.draft == draft and spec.draft_worker is not None and fan_out == want:
         return
     spec.speculation = spec.speculation.model_copy(update={"branch_fan_out": want})
-    if spec.draft_process is not None:
-        if spec._draft_channel is not None:
-            await spec._draft_channel.close()
-        spec.draft_process.terminate()
-        await asyncio.to_thread(spec.draft_process.wait, 30)
-        spec.draft_process = None
+    await spec.stop_draft()
     spec.draft = draft
     spec.synthetic = SyntheticSpec(alpha, delay_ms)
     await spec._start_synthetic(spec.replay)

@@ -146,39 +146,3 @@ class DraftFigures(_message.Message):
     wait_seconds: float
     steps: int
     def __init__(self, draft: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., waits: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
-
-class StartDraft(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "ticket", "sink_address", "lookahead", "max_tokens", "max_draft_tokens")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TICKET_FIELD_NUMBER: _ClassVar[int]
-    SINK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ticket: str
-    sink_address: str
-    lookahead: int
-    max_tokens: int
-    max_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ticket: _Optional[str] = ..., sink_address: _Optional[str] = ..., lookahead: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
-
-class CancelDraft(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class HealthCheck(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class DraftAck(_message.Message):
-    __slots__ = ("ok", "message")
-    OK_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    ok: bool
-    message: str
-    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
