@@ -15,12 +15,21 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+# The name a draft's certificate carries (its common name or a subject
+# alternative name) for the sink to take it as a draft: a certificate the CA
+# signed for anything else (a target's own) opens no draft stream.
+DRAFT_ROLE = "specserve-draft"
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     ca_file: str
     cert_file: str
     key_file: str
     server_name: str | None = None  # name to check in the sink's certificate
+    # names of which a draft's certificate must carry one (sink side; empty: any
+    # certificate the CA signed)
+    draft_names: tuple[str, ...] = (DRAFT_ROLE,)
 
     @classmethod
     def from_config(cls, section) -> TlsFiles | None:
@@ -28,7 +37,8 @@ class TlsFiles:
         if section is None:
             return None
         d = section if isinstance(section, dict) else section.model_dump()
-        return cls(d["ca_file"], d["cert_file"], d["key_file"], d.get("server_name"))
+        return cls(d["ca_file"], d["cert_file"], d["key_file"], d.get("server_name"),
+                   tuple(d.get("draft_names", (DRAFT_ROLE,))))
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         """(CA, certificate, key) bytes; a missing file names itself and the fix."""
@@ -41,6 +51,21 @@ class TlsFiles:
                     "target node needs the CA, its certificate and its key at these paths")
             out.append(Path(path).read_bytes())
         return out[0], out[1], out[2]
+
+
+def draft_role_problem(auth_context: dict, names: tuple[str, ...]) -> str | None:
+    """Why a verified peer is not a draft (None: it is): its certificate's
+    common name and subject alternative names (gRPC's auth context) carry
+    none of `names`. Empty `names`: any certificate the CA signed."""
+    if not names:
+        return None
+    carried = {v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+               for key in ("x509_common_name", "x509_subject_alternative_name")
+               for v in auth_context.get(key, ())}
+    if carried & set(names):
+        return None
+    return (f"this certificate is not a draft's: it names {sorted(carried)}, a draft's names "
+            f"one of {sorted(names)} (grpc_tls.draft_names)")
 
 
 def server_credentials(files: TlsFiles):

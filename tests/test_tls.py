@@ -1,7 +1,8 @@
 """Mutual TLS on the draft sink over real gRPC on loopback (no engine): a draft
-with a certificate from the configured CA is served; a draft with no
+with a draft's certificate from the configured CA is served; a draft with no
 certificate, a certificate from another CA, or no TLS at all is refused before
-it can open a request. Missing files fail with their path."""
+it can open a request, and a certificate from the CA for another role is
+refused with PERMISSION_DENIED. Missing files fail with their path."""
 
 import threading
 
@@ -87,6 +88,30 @@ def test_other_drafts_are_refused(sink, pki, who):
         close(*rest)
 
 
+def test_a_certificate_of_another_role_opens_no_draft_stream(sink, pki):
+    # A certificate the same CA signed for something else (no draft name in it).
+    files = TlsFiles(pki["ca"], pki["other_cert"], pki["other_key"], SERVER_NAME)
+    code, *rest = open_one(sink.port, channel_credentials(files), channel_options(files))
+    try:
+        assert code == grpc.StatusCode.PERMISSION_DENIED, code
+        assert sink._book.stream_of("r") is None
+    finally:
+        close(*rest)
+
+
+def test_the_draft_role_is_read_from_the_certificates_names():
+    from specserve.tls import DRAFT_ROLE, draft_role_problem
+
+    draft = {"x509_common_name": [b"x"], "x509_subject_alternative_name": [DRAFT_ROLE.encode()]}
+    assert draft_role_problem(draft, (DRAFT_ROLE,)) is None
+    assert draft_role_problem({"x509_common_name": [DRAFT_ROLE.encode()]}, (DRAFT_ROLE,)) is None
+    target = {"x509_common_name": [b"specserve-sink"],
+              "x509_subject_alternative_name": [b"specserve-sink", b"127.0.0.1"]}
+    assert "grpc_tls.draft_names" in draft_role_problem(target, (DRAFT_ROLE,))
+    assert draft_role_problem(target, ()) is None  # no names configured: any CA certificate
+    assert draft_role_problem({}, (DRAFT_ROLE,)) is not None
+
+
 def test_missing_files_name_themselves(tmp_path, pki):
     files = TlsFiles(pki["ca"], str(tmp_path / "nope.crt"), pki["client_key"])
     with pytest.raises(FileNotFoundError, match=r"grpc_tls.cert_file: .*nope.crt"):
@@ -105,6 +130,7 @@ def test_config_section_round_trip(pki):
     files = TlsFiles.from_config(cfg.grpc_tls)
     from specserve.target.sink_settings import SinkSettings
 
+    assert files.draft_names == ("specserve-draft",)  # the default role name
     settings = SinkSettings("0.0.0.0:0", max_wait_ms=5.0, tls=files)
     assert SinkSettings.from_env(settings.to_env()) == settings
     assert TlsFiles.from_config(AppConfig.from_dict({}).grpc_tls) is None

@@ -288,6 +288,12 @@ class GrpcTlsConfig(_Strict):
         None,
         description="Name drafts expect in the sink's certificate (sinks are dialled by IP "
                     "address). Null: the address itself must be in the certificate.")
+    draft_names: list[str] = Field(
+        default_factory=lambda: ["specserve-draft"],
+        description="Names of which a draft's certificate must carry one (its common name or "
+                    "a subject alternative name): the sink refuses other certificates the CA "
+                    "signed (a target's own) with PERMISSION_DENIED. Empty: any certificate "
+                    "the CA signed.")
 
     @field_validator("ca_file", "cert_file", "key_file", "server_name")
     @classmethod

@@ -159,6 +159,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         self._ids = itertools.count(1)
         self._max_queued = max_queued_updates
         self._server: grpc.Server | None = None
+        # with mutual TLS: names of which a draft's certificate must carry one
+        self._draft_names: tuple[str, ...] | None = None
         self.port: int | None = None
         self.request_errors = 0
 
@@ -332,6 +334,13 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
     # ---- the gRPC side ----------------------------------------------------------
 
     def Connect(self, request_iterator, context) -> Iterator[spec_pb2.SinkMessage]:
+        if self._draft_names is not None:  # mutual TLS: the peer's certificate is verified
+            from specserve.tls import draft_role_problem
+
+            problem = draft_role_problem(context.auth_context(), self._draft_names)
+            if problem is not None:
+                log.warning("refused a draft stream from %s: %s", context.peer(), problem)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
         stream = _Stream(next(self._ids), context.peer(), self._max_queued,
                          self.max_stream_messages_per_s)
         stream.name = dict(context.invocation_metadata() or ()).get(DRAFT_NAME_KEY, "") or "?"
@@ -474,6 +483,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             from specserve.tls import server_credentials
 
             port = server.add_secure_port(address, server_credentials(tls))
+            self._draft_names = tuple(tls.draft_names)
         if port == 0:
             raise RuntimeError(f"draft sink cannot listen on {address}; pick a free port")
         server.start()

@@ -43,4 +43,6 @@ class SinkSettings:
             return None
         d = json.loads(raw)
         tls = d.pop("tls", None)
+        if tls and "draft_names" in tls:
+            tls["draft_names"] = tuple(tls["draft_names"])
         return cls(**d, tls=TlsFiles(**tls) if tls else None)

@@ -1,9 +1,12 @@
 """Throwaway certificates for tests of mutual TLS (never for production).
 
-`make_pki(folder)` writes a CA, a server certificate for the draft sink (names
-`specserve-sink`, `localhost`, 127.0.0.1) and a client certificate for drafts,
-all signed by the CA, plus a second, unrelated CA with its own client
-certificate (a draft the sink must refuse). EC P-256 keys, valid for a day.
+`make_pki(folder)` writes a CA; a server certificate for the draft sink (names
+`specserve-sink`, `localhost`, 127.0.0.1, and the draft role's name,
+specserve.tls.DRAFT_ROLE: one certificate both ends may present, as the Helm
+chart's); a client certificate for drafts (the draft role's name); a
+certificate for something else (not a draft), all signed by the CA; plus a
+second, unrelated CA with its own draft certificate (a draft the sink must
+refuse). EC P-256 keys, valid for a day.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 from pathlib import Path
+
+from specserve.tls import DRAFT_ROLE
 
 SERVER_NAME = "specserve-sink"
 
@@ -54,8 +59,8 @@ def _cert(subject: str, key, issuer_name, issuer_key, ca: bool, sans=()):
 
 
 def make_pki(folder: Path) -> dict[str, str]:
-    """Paths: ca, server_cert, server_key, client_cert, client_key, rogue_ca,
-    rogue_cert, rogue_key."""
+    """Paths: ca, server_cert, server_key, client_cert, client_key, other_cert,
+    other_key, rogue_ca, rogue_cert, rogue_key."""
     from cryptography import x509
 
     folder = Path(folder)
@@ -66,7 +71,8 @@ def make_pki(folder: Path) -> dict[str, str]:
         ca = _cert(ca_name, ca_key, None, ca_key, ca=True)
         out[f"{prefix}ca" if prefix else "ca"], _ = _write(folder, f"{prefix}ca", ca_key, ca)
         client_key = _key()
-        client = _cert(f"{prefix}draft", client_key, ca.subject, ca_key, ca=False)
+        client = _cert(DRAFT_ROLE, client_key, ca.subject, ca_key, ca=False,
+                       sans=[x509.DNSName(DRAFT_ROLE)])
         c, k = _write(folder, f"{prefix}client", client_key, client)
         if prefix:
             out["rogue_cert"], out["rogue_key"] = c, k
@@ -74,7 +80,11 @@ def make_pki(folder: Path) -> dict[str, str]:
             out["client_cert"], out["client_key"] = c, k
             server_key = _key()
             sans = [x509.DNSName(SERVER_NAME), x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName(DRAFT_ROLE)]
             server = _cert(SERVER_NAME, server_key, ca.subject, ca_key, ca=False, sans=sans)
             out["server_cert"], out["server_key"] = _write(folder, "server", server_key, server)
+            other_key = _key()
+            other = _cert("not-a-draft", other_key, ca.subject, ca_key, ca=False,
+                          sans=[x509.DNSName("not-a-draft")])
+            out["other_cert"], out["other_key"] = _write(folder, "other", other_key, other)
     return out
