@@ -15,7 +15,12 @@ What it does, in one process, within a time budget:
     (branches on / off, with the branch hit rate and coverage after a rejection),
  4. if time is left, the draft shape's step cost (target-only engine of that
     shape), written into the profile,
- 5. the simulator's prediction for every cell from the profile it measured,
+ 5. first of all (no model needed), the data plane's own grid
+    (`specserve bench dataplane`: the real proposer, sink, wire and draft-side
+    sender at the preset's rows and contexts), whose propose() cost and round
+    trip by rows go into the profile (`dataplane`),
+ 6. the simulator's prediction for every cell from the profile it measured
+    (the data plane's costs included),
     and writes results.json, results.md and profile.json into --out after every
     cell (a run cut short still leaves what it measured).
 
@@ -44,13 +49,19 @@ PRESETS = {
     "gpu": dict(target_shape="llama3-8b", draft_shape="llama3.2-1b", device="gpu",
                 dtype="bfloat16", alphas=[0.6, 0.8], ks=[2, 4], concurrency=[1, 8, 32],
                 prompt_len=128, max_tokens=128, rounds=2, profile_concurrency=[1, 4, 16, 32],
-                profile_lengths=[32, 128], max_num_seqs=64, budget_s=600),
+                profile_lengths=[32, 128], max_num_seqs=64, budget_s=500,
+                # the data plane's grid: issue 24's quick cells and 64 rows (~2 min)
+                dataplane=dict(cells=[[64, 1024], [256, 1024], [256, 8192], [256, 32768],
+                                      [1024, 8192]], duration_s=8.0, warmup_s=2.0,
+                               baseline_s=3.0, capacity=True)),
     # Start-up dominates here (two engines, ~50 s each with shutdown); the
     # draft-shape step is skipped (same code path as the target-only profile).
     "tiny": dict(target_shape="tiny", draft_shape=None, device="cpu", dtype="float32",
                  alphas=[0.6, 0.8], ks=[2], concurrency=[1, 2], prompt_len=16, max_tokens=32,
                  rounds=1, profile_concurrency=[1, 2], profile_lengths=[16, 64], max_num_seqs=8,
-                 budget_s=240),
+                 budget_s=240,
+                 dataplane=dict(cells=[[8, 1024]], duration_s=1.5, warmup_s=0.5, baseline_s=1.0,
+                                capacity=False)),
     # Step costs as one straight line in tokens (compute-bound CPU, noisy shared machine).
     "calibrate": dict(target_shape=None, draft_shape=None, device="cpu", dtype="float32",
                       alphas=[0.6, 0.8], ks=[2, 4], concurrency=[1, 8], prompt_len=32,
@@ -174,6 +185,11 @@ def markdown(data: dict) -> str:
             f"({f(c.get('predicted_mean_accepted_length'), '.2f')}) "
             f"| {f(c.get('branch_hit_rate'), '.2f')} | {f(c.get('coverage_after_rejected'), '.2f')} "
             f"| {c['latency_per_token_ms_p50']:.2f} |")
+    if data.get("dataplane"):
+        from specserve.tools.bench.dataplane_workload import markdown as dataplane_table
+
+        lines += ["", "Data plane (`specserve bench dataplane`, no model):", "",
+                  dataplane_table(data["dataplane"]).rstrip("\n")]
     for s in data["skipped"]:
         lines.append(f"\nskipped: {s}")
     for n in data["notes"]:
@@ -221,6 +237,33 @@ def _scenario(cell: dict, lookahead: int, prompt_len: int, seed: int):
                     max_wait_ms=MAX_WAIT_MS if cell["k"] else 0.0)
 
 
+def run_dataplane(spec: dict) -> dict:
+    """`specserve bench dataplane`'s report for the preset's cells (no model)."""
+    from specserve.tools.bench import dataplane
+    from specserve.tools.bench.dataplane_workload import make_plan
+
+    plan = make_plan(cells=[tuple(c) for c in spec["cells"]], duration_s=spec["duration_s"],
+                     warmup_s=spec["warmup_s"], baseline_s=spec["baseline_s"])
+    return dataplane.run(plan, capacity=spec["capacity"])
+
+
+def dataplane_profile(report: dict) -> dict | None:
+    """The profile's `dataplane` section (specserve.tools.simulate.profile
+    DataPlaneCost) from a dataplane report: per rows, at its shortest context,
+    propose() p50 and the round trip p50 (ms); None without a usable cell."""
+    best: dict[int, dict] = {}
+    for c in report.get("cells", []):
+        if c.get("propose_p50_ms") is None or c.get("round_trip_p50_ms") is None:
+            continue
+        if c["rows"] not in best or c["context"] < best[c["rows"]]["context"]:
+            best[c["rows"]] = c
+    if not best:
+        return None
+    rows = sorted(best)
+    return {"propose_ms": {"points": [[r, best[r]["propose_p50_ms"]] for r in rows]},
+            "round_trip_ms": {"points": [[r, best[r]["round_trip_p50_ms"]] for r in rows]}}
+
+
 def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict],
            draft_points: list[dict]) -> None:
     """The profile from the measured points, and the simulator's prediction per cell."""
@@ -237,6 +280,9 @@ def finish(report: Report, preset: str, cfg: dict, env: dict, points: list[dict]
             # synthetic draft used in the cells costs ~0).
             report.profile["draft_shape_step_ms"] = {
                 "points": [[p["tokens_per_step"], p["step_ms"]] for p in draft_points]}
+        plane = dataplane_profile(report.data.get("dataplane") or {})
+        if plane is not None:
+            report.profile["dataplane"] = plane
         have_alpha1 = any(p.get("alpha") == 1.0 for p in points)
         for c in report.data["cells"]:
             if (c["k"] and not have_alpha1) or c["system"] == "specserve_k0":
@@ -273,6 +319,12 @@ async def run(preset: str, cfg: dict, out: Path, target: str | None) -> int:
     say(f"preflight ok: {env}")
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out, preset, cfg, env)
+    if cfg.get("dataplane"):
+        say(f"data plane: specserve bench dataplane, cells {cfg['dataplane']['cells']} "
+            "(no model)")
+        report.data["dataplane"] = await asyncio.to_thread(run_dataplane, cfg["dataplane"])
+        report.save()
+        t0 = time.monotonic()  # the budget is the engines' (the grid's time is its own)
     dummy = target is None
     if dummy:
         shape = SHAPES[cfg["target_shape"]]

@@ -131,6 +131,14 @@ def test_tiny_gpu_check_end_to_end(tmp_path):
     # The A = 1 profile run: nearly every drafted token accepted.
     ones = [p for p in data["profile_points"] if p["alpha"] == 1.0]
     assert ones and all(p["tokens_per_step"] > 1.5 * p["concurrency"] for p in ones)
-    Profile.from_dict(json.loads((out / "profile.json").read_text()))
+    profile = Profile.from_dict(json.loads((out / "profile.json").read_text()))
+    # The data plane's grid ran first (no model), and its costs are in the profile.
+    cell, = data["dataplane"]["cells"]
+    assert (cell["rows"], cell["context"]) == (8, 1024)
+    assert cell["propose_p50_ms"] > 0 and cell["ingest_tokens_per_s"] > 0
+    assert profile.dataplane is not None
+    assert profile.dataplane.propose_ms(8) == pytest.approx(cell["propose_p50_ms"])
+    assert profile.dataplane.round_trip_ms(8) == pytest.approx(cell["round_trip_p50_ms"])
     md = (out / "results.md").read_text()
+    assert "Data plane" in md
     assert "| specserve_synthetic | 2 | 0.8 | 2 |" in md

@@ -15,7 +15,8 @@ from conftest import run_cli
 
 from specserve.control.policy import expected_tokens
 from specserve.tools.simulate.model import simulate, sweep
-from specserve.tools.simulate.profile import DraftCost, Profile, StepProfile, TargetCost
+from specserve.tools.simulate.profile import (DataPlaneCost, DraftCost, Profile, StepProfile,
+                                              TargetCost)
 from specserve.tools.simulate.scenario import Prices, Scenario, cost_per_hour
 
 T = 10.0  # ms per target step
@@ -224,6 +225,9 @@ def test_profile_round_trip_and_errors():
                 DraftCost(StepProfile(((1, 1.0), (8, 2.0))), 0.001, 0.5, 1), StepProfile.constant(0.7),
                 source="test")
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    plane = DataPlaneCost(StepProfile(((8, 0.1), (256, 1.5))), StepProfile.constant(3.0))
+    with_plane = dataclasses.replace(p, dataplane=plane)
+    assert Profile.from_dict(json.loads(json.dumps(with_plane.to_dict()))) == with_plane
     with pytest.raises(ValueError, match="format"):
         Profile.from_dict({"format": "other/9", "target": {"step_ms": 1}})
     with pytest.raises(ValueError, match="target"):
@@ -236,6 +240,25 @@ def test_profile_round_trip_and_errors():
         simulate(Profile(p.target), Scenario(k=4, drafts=1))
     with pytest.raises(ValueError, match="colocated_draft"):
         simulate(Profile(p.target, p.draft), Scenario(k=4, drafts=0, colocated=True))
+
+
+def test_the_data_planes_costs_by_rows():
+    """The data plane's propose() cost is paid by every speculative step (at
+    the step's rows), and its round trip delays drafts as the network does."""
+    sc = one_request(k=4, alpha=0.8, lookahead=8, requests=4, output_len=500)
+    base = simulate(profile(), sc)
+    # 1 ms of propose() at one row: every decode step with drafts takes T + 1.
+    slow = simulate(dataclasses.replace(profile(), dataplane=DataPlaneCost(
+        StepProfile(((1, 1.0), (256, 5.0))), StepProfile.constant(0.0))), sc)
+    assert slow.mean_accepted_length == pytest.approx(base.mean_accepted_length, rel=0.05)
+    assert slow.throughput_tok_s == pytest.approx(
+        base.throughput_tok_s * T / (T + 1.0), rel=0.03)
+    # A round trip of 2 target steps is the network's: the same as rtt_ms.
+    late = simulate(dataclasses.replace(profile(), dataplane=DataPlaneCost(
+        StepProfile.constant(0.0), StepProfile.constant(2 * T))), sc)
+    net = simulate(profile(), dataclasses.replace(sc, rtt_ms=2 * T))
+    assert late.throughput_tok_s == pytest.approx(net.throughput_tok_s, rel=1e-9)
+    assert late.throughput_tok_s < base.throughput_tok_s
 
 
 def test_latency_percentiles_are_the_benchs():

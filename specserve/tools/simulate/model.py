@@ -195,7 +195,7 @@ class _Sim:
                 self.d_requests[i] = [q for q in reqs if q.finish is None]
             r.draft = min(range(len(self.d_requests)), key=lambda i: (len(self.d_requests[i]), i))
             self.d_requests[r.draft].append(r)
-            self.push(self.now + self.sc.rtt_ms / 2, _DRAFT_START, r)
+            self.push(self.now + self.leg_ms(r.target), _DRAFT_START, r)
 
     # ---- draft pool ----
 
@@ -229,7 +229,6 @@ class _Sim:
 
     def on_draft_end(self, payload) -> None:
         d, batch = payload
-        half = self.sc.rtt_ms / 2
         for r, run in batch:
             if r.finish is not None or r.run is not run:
                 continue  # finished, or rolled back meanwhile: this token drafts a history left
@@ -238,12 +237,20 @@ class _Sim:
                 self.roll_back(r)  # a token the target had already decided otherwise
                 continue
             if run.end > r.known:
-                r.inbox.append((self.now + half, run, run.end))
+                r.inbox.append((self.now + self.leg_ms(r.target), run, run.end))
             if run.end - r.known >= self.sc.lookahead:
                 r.needs_restart = True  # the segment stops at W ahead
         self.d_requests[d] = [r for r in self.d_requests[d] if r.finish is None]
         self.d_busy[d] = False
         self.kick_draft(d)
+
+    def leg_ms(self, t: int) -> float:
+        """One way between a draft and target replica t: half the network's
+        round trip, and half the data plane's own at t's rows (profile)."""
+        ms = self.sc.rtt_ms / 2
+        if self.p.dataplane is not None:
+            ms += self.p.dataplane.round_trip_ms(len(self.t_running[t])) / 2
+        return ms
 
     def roll_back(self, r: _Request) -> None:
         r.run = _Run(r.known)
@@ -326,6 +333,8 @@ class _Sim:
                 ms += sc.k * self.p.colocated_draft(len(decode))
             else:
                 ms += cost.spec_overhead_ms
+                if self.p.dataplane is not None:
+                    ms += self.p.dataplane.propose_ms(len(decode))
         running.extend(new)
         self.t_busy[t] = True
         self.t_busy_ms += ms
@@ -379,7 +388,7 @@ class _Sim:
         if finished:
             self.t_running[t] = [r for r in self.t_running[t] if r.finish is None]
         if self.use_pool:
-            self.push(self.now + sc.rtt_ms / 2, _VERIFIED, updates)
+            self.push(self.now + self.leg_ms(t), _VERIFIED, updates)
         if sc.concurrency is not None:  # closed loop: each finished request is replaced
             for _ in finished:
                 if self.arrivals < sc.requests:

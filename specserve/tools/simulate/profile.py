@@ -85,6 +85,27 @@ class DraftCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataPlaneCost:
+    """The draft -> target data plane's own costs, as `specserve bench dataplane`
+    measures them (x = rows in the target's step): propose() on the engine's
+    step (added to every speculative step) and the round trip from verified
+    tokens out to fresh drafts in, beyond the network (added to the
+    verified -> draft -> target path, half each way)."""
+
+    propose_ms: StepProfile
+    round_trip_ms: StepProfile
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataPlaneCost":
+        return cls(StepProfile.from_dict(d.get("propose_ms", 0.0), "dataplane.propose_ms"),
+                   StepProfile.from_dict(d.get("round_trip_ms", 0.0), "dataplane.round_trip_ms"))
+
+    def to_dict(self) -> dict:
+        return {"propose_ms": self.propose_ms.to_dict(),
+                "round_trip_ms": self.round_trip_ms.to_dict()}
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     """Step costs of one target/draft pair on given hardware. JSON format
     `specserve-profile/1` (see docs/simulator.md):
@@ -95,17 +116,22 @@ class Profile:
                     "max_num_seqs": 256, "max_prefill_tokens": 8192},
          "draft": {"step_ms": {"points": [[batch, ms], ...]}, "prefill_ms_per_token": 0.01,
                    "restart_ms": 0, "gpus": 1},
-         "colocated_draft": {"step_ms": {"points": [[batch, ms], ...]}}}
+         "colocated_draft": {"step_ms": {"points": [[batch, ms], ...]}},
+         "dataplane": {"propose_ms": {"points": [[rows, ms], ...]},
+                       "round_trip_ms": {"points": [[rows, ms], ...]}}}
 
     `colocated_draft` (optional): the draft's step on the target's GPUs at the
-    target's TP, for the vLLM draft_model baseline. A step cost may also be a
-    plain number of ms.
+    target's TP, for the vLLM draft_model baseline. `dataplane` (optional):
+    the data plane's costs by rows (DataPlaneCost; `make gpu-check` measures
+    them with `specserve bench dataplane`). A step cost may also be a plain
+    number of ms.
     """
 
     target: TargetCost
     draft: DraftCost | None = None
     colocated_draft: StepProfile | None = None
     source: str = ""
+    dataplane: DataPlaneCost | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -134,7 +160,8 @@ class Profile:
         colo = None
         if d.get("colocated_draft") is not None:
             colo = StepProfile.from_dict(d["colocated_draft"].get("step_ms"), "colocated_draft.step_ms")
-        return cls(target, draft, colo, str(d.get("source", "")))
+        plane = DataPlaneCost.from_dict(d["dataplane"]) if d.get("dataplane") else None
+        return cls(target, draft, colo, str(d.get("source", "")), plane)
 
     def to_dict(self) -> dict:
         out: dict = {"format": PROFILE_FORMAT, "source": self.source,
@@ -150,5 +177,7 @@ class Profile:
                             "restart_ms": self.draft.restart_ms, "gpus": self.draft.gpus}
         if self.colocated_draft is not None:
             out["colocated_draft"] = {"step_ms": self.colocated_draft.to_dict()}
+        if self.dataplane is not None:
+            out["dataplane"] = self.dataplane.to_dict()
         return out
 
