@@ -9,8 +9,10 @@ keys describe the Kubernetes side of the chart (image, head and worker groups,
 Serve service, API key Secret, GCS fault tolerance, Ray's ports, NetworkPolicies,
 Ray token authentication, the draft stream's TLS, monitoring, Grafana dashboard); `global` is accepted so the chart works as a subchart.
 
-`make helm-schema` (python -m specserve.tools.chart) writes the file; a test checks
-the checked-in file equals what this generates.
+`make helm-schema` (python -m specserve.tools.chart) writes the file, and
+helm/specserve/serve-defaults.json beside it (`deployments.app.chart_defaults`:
+what the chart needs to render the Serve config as `deployments.app.serve_app`
+does); a test checks the checked-in files equal what this generates.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 
 from specserve.config import AppConfig
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "specserve" / "values.schema.json"
+CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "specserve"
+SCHEMA_PATH = CHART_DIR / "values.schema.json"
+DEFAULTS_PATH = CHART_DIR / "serve-defaults.json"
 
 
 def _obj(properties: dict, description: str, required: list[str] | None = None) -> dict:
@@ -298,6 +302,13 @@ def render() -> str:
     return json.dumps(values_schema(), indent=2, sort_keys=False) + "\n"
 
 
+def render_defaults() -> str:
+    from deployments.app import chart_defaults
+
+    return json.dumps(chart_defaults(), indent=2) + "\n"
+
+
 if __name__ == "__main__":
     SCHEMA_PATH.write_text(render())
-    print(SCHEMA_PATH)
+    DEFAULTS_PATH.write_text(render_defaults())
+    print(SCHEMA_PATH, DEFAULTS_PATH)

@@ -141,6 +141,24 @@ def serve_app(rs: dict) -> dict:
     return serve_config, app
 
 
+def chart_config(app: dict) -> AppConfig:
+    """The whole config a rendered Serve app carries: its args (the code part)
+    with the live part of the router's user_config put back, as the
+    replicas' reconfigure does (tests/tools/test_helm_live.py)."""
+    from specserve.config.live import with_live
+
+    router = next(d for d in app["deployments"] if d["name"] == "router")
+    return with_live(AppConfig.from_dict(app["args"], source="args"), router["user_config"])
+
+
+def pinned(data: dict) -> AppConfig:
+    """The config `data` with the engine's K ceiling written out, as the code
+    part carries it (max_speculative_tokens null: K)."""
+    cfg = AppConfig.from_dict(data)
+    spec = cfg.speculation.model_copy(update={"max_speculative_tokens": cfg.speculation.engine_k()})
+    return cfg.model_copy(update={"speculation": spec})
+
+
 def groups(rs: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
 
@@ -187,9 +205,9 @@ def test_default_values_render_a_valid_cpu_deployment():
     serve_config, app = serve_app(rs)
     assert serve_config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert app["route_prefix"] == "/"
-    cfg = AppConfig.from_dict(app["args"], source="serveConfigV2")
-    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
-                                       "target": {"sink_port": SINK_PORT}})
+    cfg = chart_config(app)
+    assert cfg == pinned({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
+                          "target": {"sink_port": SINK_PORT}})
     # The import path names a Serve application builder that takes the args.
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
@@ -226,7 +244,7 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     example["target"]["sink_port"] = SINK_PORT
     example["grpc_tls"] = {"ca_file": f"{TLS_DIR}/ca.crt", "cert_file": f"{TLS_DIR}/tls.crt",
                            "key_file": f"{TLS_DIR}/tls.key", "server_name": "draft-sink"}
-    assert AppConfig.from_dict(app["args"]) == AppConfig.from_dict(example)
+    assert chart_config(app) == pinned(example)
 
     g = groups(rs)
     assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b"}
@@ -317,7 +335,10 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
         actor = d._replica_config.ray_actor_options
         assert actor["num_gpus"] <= limits[name]["nvidia.com/gpu"]
         assert actor["num_cpus"] <= float(limits[name]["cpu"])
-        assert d._deployment_config.autoscaling_config.max_replicas in (8, 4)
+    # The pools' bounds are deployment options of the Serve config (live settings).
+    options = {d["name"]: d for d in app["deployments"]}
+    assert [options[n]["autoscaling_config"]["max_replicas"]
+            for n in ("target", "draft-llama-1b", "draft-llama-8b")] == [4, 8, 4]
 
 
 def test_values_schema_rejects_typos_and_bad_values():
@@ -345,7 +366,7 @@ def test_overrides_reach_the_serve_config():
     rs = objs["RayService"]
     check_rayservice(rs)
     serve_config, app = serve_app(rs)
-    cfg = AppConfig.from_dict(app["args"])
+    cfg = chart_config(app)
     assert cfg.http.port == 9000 and cfg.http.host == "0.0.0.0"
     assert cfg.speculation.num_speculative_tokens == 6 and cfg.target.engine.max_model_len == 4096
     assert serve_config["http_options"]["port"] == 9000
@@ -391,7 +412,7 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
     else:
         assert "Secret/api-key" not in objs
     _, app = serve_app(rs)
-    cfg = AppConfig.from_dict(app["args"])
+    cfg = chart_config(app)
     assert cfg.http.api_key is None and cfg.http.api_key_env == "SPECSERVE_API_KEY"
     # Every Ray pod can host the router: each gets the key from the Secret.
     for pod in _pods(rs):

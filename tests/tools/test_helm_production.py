@@ -17,7 +17,8 @@ import itertools
 import pytest
 
 from specserve.config import AppConfig
-from test_helm import (RAY_PORT_PARAMS, SINK_PORT, TLS_DIR, check_rayservice, container,
+from test_helm import (RAY_PORT_PARAMS, SINK_PORT, TLS_DIR, chart_config, check_rayservice,
+                       container,
                        gpu_values, groups, render, serve_app, validate_core)
 
 # ---- NetworkPolicies --------------------------------------------------------------
@@ -120,7 +121,7 @@ def test_network_policies_allow_exactly_the_table():
     assert flows(objs) == table(TABLE)
     # The sink's port is the one the target binds (specserve.target.sink_port).
     _, app = serve_app(objs["RayService"])
-    assert AppConfig.from_dict(app["args"]).target.sink_port == SINK_PORT
+    assert chart_config(app).target.sink_port == SINK_PORT
 
 
 def test_serve_from_narrows_the_serve_port():
@@ -181,7 +182,7 @@ def test_draft_tls_is_on_by_default_and_reaches_only_targets_and_drafts():
         (volume,) = [v for v in group["template"]["spec"]["volumes"] if "secret" in v]
         assert volume["secret"]["secretName"] == "spec-specserve-draft-tls"
     _, app = serve_app(rs)
-    tls = AppConfig.from_dict(app["args"]).grpc_tls
+    tls = chart_config(app).grpc_tls
     assert (tls.ca_file, tls.cert_file, tls.key_file, tls.server_name) == (
         f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", "draft-sink")
 
@@ -194,12 +195,12 @@ def test_draft_tls_from_an_existing_secret_and_off():
     (volume,) = [v for v in target["template"]["spec"]["volumes"] if "secret" in v]
     assert volume["secret"]["secretName"] == "sink-cert"
     _, app = serve_app(objs["RayService"])
-    assert AppConfig.from_dict(app["args"]).grpc_tls.server_name == "sink"
+    assert chart_config(app).grpc_tls.server_name == "sink"
 
     objs = render({**gpu_values(), "draftTls": {"enabled": False}})
     assert "Secret/draft-tls" not in objs
     _, app = serve_app(objs["RayService"])
-    assert AppConfig.from_dict(app["args"]).grpc_tls is None
+    assert chart_config(app).grpc_tls is None
     assert not any(_mounts_tls(g) for g in groups(objs["RayService"]).values())
     # Target-only: no stream, no certificates.
     assert "Secret/draft-tls" not in render()
@@ -227,7 +228,7 @@ def test_generated_certificates_carry_mutual_tls_as_specserve_dials(tmp_path):
     for key, data in secret["data"].items():
         (tmp_path / key).write_bytes(base64.b64decode(data))
     _, app = serve_app(render(gpu_values())["RayService"])
-    tls = AppConfig.from_dict(app["args"]).grpc_tls
+    tls = chart_config(app).grpc_tls
     files = TlsFiles(str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt"),
                      str(tmp_path / "tls.key"), tls.server_name)
 

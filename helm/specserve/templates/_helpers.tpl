@@ -78,19 +78,92 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $any }}true{{ end -}}
 {{- end -}}
 
-{{/* The Serve config (serveConfigV2): the specserve values are AppConfig,
-     passed as the args of the one builder. */}}
+{{/* The Serve config (serveConfigV2), as deployments.app.serve_app writes
+     it: the specserve values (AppConfig) split in two (specserve.config.live).
+     The code part is the builder's `args`, which Ray hashes into the code
+     version of every deployment: models, TP, engine and resource settings,
+     with K held at the engine's ceiling (max_speculative_tokens, or K).
+     The live part (K, k_control, quotas, replica bounds) is the router's and
+     the target's `user_config`, which Serve hands to the running replicas'
+     `reconfigure`; the bounds and the target's queue limit are also deployment
+     options, which Serve applies without new replicas. So a change of a live
+     setting restarts no engine. serve-defaults.json (`make helm-schema`)
+     holds the defaults the split needs. */}}
 {{- define "specserve.serveConfig" -}}
-{{- $http := .Values.specserve.http | default dict -}}
-http_options:
-  host: {{ $http.host | default "0.0.0.0" | quote }}
-  port: {{ $http.port | default 8000 | int }}
-applications:
-  - name: specserve
-    route_prefix: /
-    import_path: deployments.app:app_from_args
-    args:
-      {{- toYaml (include "specserve.appConfig" . | fromYaml) | nindent 6 }}
+{{- $app := include "specserve.appConfig" . | fromYaml -}}
+{{- $d := .Files.Get "serve-defaults.json" | fromJson -}}
+{{- $http := $app.http | default dict -}}
+{{- $spec := deepCopy ($app.speculation | default dict) -}}
+{{- $k := $d.num_speculative_tokens -}}
+{{- if not (kindIs "invalid" $spec.num_speculative_tokens) }}{{ $k = $spec.num_speculative_tokens }}{{ end -}}
+{{- $ceiling := $k -}}
+{{- if not (kindIs "invalid" $spec.max_speculative_tokens) }}{{ $ceiling = $spec.max_speculative_tokens }}{{ end -}}
+{{- $t := deepCopy ($app.target | default dict) -}}
+{{- $poolBounds := dict -}}
+{{- $codeDrafts := list -}}
+{{- range $app.drafts | default list -}}
+{{- $_ := set $poolBounds .name (.replicas | default dict) -}}
+{{- $c := deepCopy . -}}{{- $_ := unset $c "replicas" -}}
+{{- $codeDrafts = append $codeDrafts $c -}}
+{{- end -}}
+{{- $quotas := $app.quotas | default dict -}}
+{{- $live := dict "speculation" (dict "num_speculative_tokens" $k "k_control" ($spec.k_control | default dict))
+    "quotas" $quotas "replicas" (dict "target" ($t.replicas | default dict) "drafts" $poolBounds) -}}
+{{- /* The code part: the live settings out, K at the ceiling. */ -}}
+{{- $code := deepCopy $app -}}
+{{- $_ := set $spec "num_speculative_tokens" $ceiling -}}
+{{- $_ := set $spec "max_speculative_tokens" $ceiling -}}
+{{- $_ := unset $spec "k_control" -}}
+{{- $_ := set $code "speculation" $spec -}}
+{{- $_ := unset $code "quotas" -}}
+{{- $_ := unset $t "replicas" -}}
+{{- $_ := set $code "target" $t -}}
+{{- if hasKey $code "drafts" }}{{ $_ := set $code "drafts" $codeDrafts }}{{ end -}}
+{{- /* The deployments' options (deployments.app.serve_app). */ -}}
+{{- $queue := $d.max_queued_requests -}}
+{{- if hasKey $quotas "max_queued_requests" }}{{ $queue = $quotas.max_queued_requests }}{{ end -}}
+{{- if kindIs "invalid" $queue }}{{ $queue = -1 }}{{ end -}}
+{{- $target := dict "name" "target" "user_config" $live "max_queued_requests" (int $queue) -}}
+{{- range $key, $v := include "specserve.scaling" (dict "replicas" ($app.target | default dict).replicas "pool" "target" "defaults" $d) | fromJson }}{{ $_ := set $target $key $v }}{{ end -}}
+{{- $deployments := list (dict "name" "router" "user_config" $live) $target -}}
+{{- range $app.drafts | default list -}}
+{{- $one := dict "name" (printf "draft-%s" .name) -}}
+{{- range $key, $v := include "specserve.scaling" (dict "replicas" .replicas "pool" "draft" "defaults" $d) | fromJson }}{{ $_ := set $one $key $v }}{{ end -}}
+{{- $deployments = append $deployments $one -}}
+{{- end -}}
+{{- toYaml (dict
+    "http_options" (dict "host" ($http.host | default "0.0.0.0") "port" ($http.port | default 8000 | int))
+    "applications" (list (dict "name" $d.app.name "route_prefix" "/" "import_path" $d.app.import_path
+                               "args" $code "deployments" $deployments))) -}}
+{{- end -}}
+
+{{/* A mapping with `defaults` for the keys it lacks or holds null, as JSON:
+     (list $given $defaults). 0 and false are kept (sprig's merge would
+     replace them). */}}
+{{- define "specserve.withDefaults" -}}
+{{- $out := deepCopy (index . 0 | default dict) -}}
+{{- range $key, $v := index . 1 -}}
+{{- if or (not (hasKey $out $key)) (kindIs "invalid" (get $out $key)) }}{{ $_ := set $out $key $v }}{{ end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* A pool's Serve replica options as JSON, as deployments.app._scaling:
+     fixed replicas, or autoscaling with specserve's policy of the pool:
+     (dict "replicas" $boundsOrNil "pool" "target" "defaults" $serveDefaults). */}}
+{{- define "specserve.scaling" -}}
+{{- $d := .defaults -}}
+{{- $r := include "specserve.withDefaults" (list .replicas $d.replicas) | fromJson -}}
+{{- if eq (int $r.min_replicas) (int $r.max_replicas) -}}
+{{- toJson (dict "num_replicas" (int $r.max_replicas) "autoscaling_config" nil) -}}
+{{- else -}}
+{{- toJson (dict "num_replicas" nil "autoscaling_config" (dict
+    "min_replicas" (int $r.min_replicas) "max_replicas" (int $r.max_replicas)
+    "initial_replicas" $r.initial_replicas
+    "upscale_delay_s" $r.upscale_delay_s "downscale_delay_s" $r.downscale_delay_s
+    "look_back_period_s" $d.look_back_period_s
+    "policy" (dict "policy_function" (get $d.policies .pool)))) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The Secret holding the API key ("" without one). */}}
