@@ -225,6 +225,16 @@ def values_schema() -> dict:
                                          "(and no existingSecret): no authentication."},
             }, "The API key clients must send, from a Secret: the Ray pods get it as "
                "SPECSERVE_API_KEY (specserve.http.api_key_env); never in the RayService."),
+            "metricsKey": _obj({
+                "existingSecret": {"type": "string",
+                                   "description": "Name of a Secret holding the scrape key."},
+                "secretKey": {"type": "string", "minLength": 1,
+                              "description": "The Secret's key holding the scrape key."},
+                "value": {"type": "string",
+                          "description": "The scrape key; the chart creates the Secret. Empty "
+                                         "(and no existingSecret): /metrics takes the API key."},
+            }, "The key Prometheus sends to /metrics, from a Secret (SPECSERVE_METRICS_KEY, "
+               "specserve.http.metrics_key_env): /metrics then takes only it."),
             "gcsFaultTolerance": _obj({
                 "enabled": {"type": "boolean"},
                 "redisAddress": {"type": "string", "description": "Redis host:port."},
@@ -278,7 +288,8 @@ def values_schema() -> dict:
                     "bearerTokenSecret": _nullable(_obj({
                         "name": {"type": "string", "minLength": 1},
                         "key": {"type": "string", "minLength": 1},
-                    }, "Secret key holding the API key. Null: the apiKey Secret.",
+                    }, "Secret key holding the bearer token. Null: the metricsKey Secret, "
+                       "else the apiKey Secret.",
                         ["name", "key"])),
                 }, "A PodMonitor for the router's /metrics, through the head pod's proxy "
                    "(once per Ray cluster)."),

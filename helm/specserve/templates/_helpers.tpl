@@ -177,6 +177,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{- define "specserve.apiKeyEnv" -}}SPECSERVE_API_KEY{{- end -}}
 
+{{/* The Secret holding the /metrics scrape key ("" without one). */}}
+{{- define "specserve.metricsKeySecret" -}}
+{{- if .Values.metricsKey.existingSecret -}}
+{{- .Values.metricsKey.existingSecret -}}
+{{- else if .Values.metricsKey.value -}}
+{{- printf "%s-metrics-key" (include "specserve.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.metricsKeyEnv" -}}SPECSERVE_METRICS_KEY{{- end -}}
+
 {{/* values.specserve as the app's args: with an API key Secret, the router
      reads the key from SPECSERVE_API_KEY (http.api_key_env); a plain-text
      http.api_key is refused, as it would be readable in the RayService. */}}
@@ -189,6 +200,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if include "specserve.apiKeySecret" . -}}
 {{- $_ := set $http "api_key_env" (include "specserve.apiKeyEnv" .) -}}
 {{- $_ := unset $http "api_key" -}}
+{{- $_ := set $app "http" $http -}}
+{{- end -}}
+{{- if include "specserve.metricsKeySecret" . -}}
+{{- $_ := set $http "metrics_key_env" (include "specserve.metricsKeyEnv" .) -}}
 {{- $_ := set $app "http" $http -}}
 {{- end -}}
 {{- if include "specserve.draftTlsSecret" . -}}
@@ -319,6 +334,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     - name: {{ include "specserve.apiKeyEnv" $ }}
       valueFrom:
         secretKeyRef: {name: {{ $secret }}, key: {{ $.Values.apiKey.secretKey }}}
+    {{- end }}
+    {{- with include "specserve.metricsKeySecret" $ }}
+    # ... and the /metrics scrape key (http.metrics_key_env).
+    - name: {{ include "specserve.metricsKeyEnv" $ }}
+      valueFrom:
+        secretKeyRef: {name: {{ . }}, key: {{ $.Values.metricsKey.secretKey }}}
     {{- end }}
   {{- with $g.envFrom }}
   envFrom:
