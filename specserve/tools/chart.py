@@ -215,6 +215,27 @@ def values_schema() -> dict:
                 "annotations": _MAP_OF_STRINGS,
             }, "KubeRay's Serve service (spec.serveService) in front of the active cluster's "
                "Serve proxies."),
+            "ingress": _obj({
+                "enabled": {"type": "boolean"},
+                "className": {"type": "string", "description": "IngressClass; empty: the "
+                              "cluster's default."},
+                "host": {"type": "string", "description": "The name clients use (needed "
+                         "when enabled)."},
+                "annotations": _MAP_OF_STRINGS,
+                "tls": _obj({"secretName": {"type": "string", "description": "The Secret "
+                             "with the certificate for host (needed when enabled)."}},
+                            "TLS of the Ingress (always on)."),
+            }, "An Ingress with TLS in front of the Serve service."),
+            "gateway": _obj({
+                "enabled": {"type": "boolean"},
+                "parentRefs": {"type": "array", "items": {"type": "object"},
+                               "description": "Gateway API ParentReferences: the Gateway and "
+                                              "its HTTPS listener (sectionName)."},
+                "hostnames": {"type": "array", "items": {"type": "string"}},
+                "requestTimeout": _nullable({"type": "string", "description": "The route's "
+                                             "request timeout (e.g. 600s). Null: the "
+                                             "Gateway's."}),
+            }, "A Gateway API HTTPRoute to the Serve service; TLS ends at the Gateway."),
             "apiKey": _obj({
                 "existingSecret": {"type": "string",
                                    "description": "Name of a Secret holding the API key."},
