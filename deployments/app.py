@@ -88,10 +88,37 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
 
     return serve.deployment(Router).options(
         name="router",
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=1024,
+        ray_actor_options=router_actor_options(cfg),
+        max_ongoing_requests=ROUTER_MAX_ONGOING,
         user_config=live,
+        **_router_scaling(cfg),
     ).bind(config, target, list(drafts))
+
+
+ROUTER_MAX_ONGOING = 1024
+
+
+def router_actor_options(cfg: AppConfig) -> dict:
+    """The router takes no CPU; with router.ray_resource it runs only where
+    that resource is (the chart's router pods, or the head: the pods that hold
+    the API key)."""
+    opts: dict = {"num_cpus": 0}
+    if cfg.router.ray_resource:
+        opts["resources"] = {cfg.router.ray_resource: 1}
+    return opts
+
+
+def _router_scaling(cfg: AppConfig) -> dict:
+    """Fixed router replicas, or Serve's own request-based autoscaling."""
+    r = cfg.router.replicas
+    if r.min_replicas == r.max_replicas:
+        return {"num_replicas": r.max_replicas, "autoscaling_config": None}
+    return {"num_replicas": None, "autoscaling_config": {
+        "min_replicas": r.min_replicas, "max_replicas": r.max_replicas,
+        "initial_replicas": r.initial_replicas,
+        "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
+        "target_ongoing_requests": cfg.router.target_ongoing_requests,
+    }}
 
 
 def _queue(cfg: AppConfig) -> int:
@@ -110,7 +137,7 @@ def serve_app(cfg: AppConfig) -> dict:
         "name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH,
         "args": code_part(cfg),
         "deployments": [
-            {"name": "router", "user_config": live},
+            {"name": "router", "user_config": live, **_router_scaling(cfg)},
             {"name": "target", "user_config": live, "max_queued_requests": _queue(cfg),
              **_scaling(t.replicas, "target")},
             *({"name": f"draft-{d.name}", **_scaling(d.replicas, "draft")}
@@ -129,6 +156,7 @@ def chart_defaults() -> dict:
             "num_speculative_tokens": SpeculationConfig().num_speculative_tokens,
             "replicas": Autoscaling().model_dump(mode="json"),
             "max_queued_requests": QuotaConfig().max_queued_requests,
+            "router_target_ongoing_requests": AppConfig().router.target_ongoing_requests,
             "look_back_period_s": LOOK_BACK_PERIOD_S,
             "policies": POLICIES}
 

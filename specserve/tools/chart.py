@@ -202,6 +202,17 @@ def values_schema() -> dict:
                                         "specserve.target.replicas"),
                 "draft": _worker_group("draft", "the pool's resources.gpus_per_worker, "
                                        "rounded up", "the pool's replicas"),
+                "router": _obj({
+                    "enabled": {"type": "boolean", "description": "The router's own pods; "
+                                "false: the router runs on the head."},
+                    "routersPerPod": {"type": "integer", "minimum": 1,
+                                      "description": "Router replicas one pod holds."},
+                    "minReplicas": {"type": "integer", "minimum": 0},
+                    "maxReplicas": {"type": "integer", "minimum": 1},
+                    "idleTimeoutSeconds": _nullable({"type": "integer", "minimum": 0,
+                                                     "description": "As the other groups'."}),
+                    **_pod_settings("router"),
+                }, "The router's pods (CPU): the only pods with the API key."),
                 "draftPools": {"type": "object", "description": "Per draft pool name: the "
                                "keys of `draft` its own group (draft-<name>) sets differently.",
                                "additionalProperties": _worker_group(

@@ -43,6 +43,7 @@ RAY_PORT_PARAMS = {"object-manager-port": "8076", "node-manager-port": "8077",
                    "runtime-env-agent-port": "8078", "dashboard-agent-grpc-port": "8079",
                    "dashboard-agent-listen-port": "52365", "metrics-export-port": "8080",
                    "min-worker-port": "10002", "max-worker-port": "19999"}
+ROUTER_RESOURCE = "specserve_router"  # the Ray resource only router-hosting pods advertise
 SEVERAL = ("PodMonitor", "NetworkPolicy", "Secret", "PodDisruptionBudget")
 
 
@@ -207,7 +208,8 @@ def test_default_values_render_a_valid_cpu_deployment():
     assert app["route_prefix"] == "/"
     cfg = chart_config(app)
     assert cfg == pinned({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
-                          "target": {"sink_port": SINK_PORT}})
+                          "target": {"sink_port": SINK_PORT},
+                          "router": {"ray_resource": ROUTER_RESOURCE}})
     # The import path names a Serve application builder that takes the args.
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
@@ -220,8 +222,11 @@ def test_default_values_render_a_valid_cpu_deployment():
     target = groups(rs)["target"]
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 1)
     assert "nvidia.com/gpu" not in container(target)["resources"]["limits"]
-    assert cluster["headGroupSpec"]["rayStartParams"] == {"dashboard-host": "0.0.0.0",
-                                                          "num-cpus": "0", **RAY_PORT_PARAMS}
+    # Without the router group the router runs on the head (the Ray resource
+    # its replicas ask for), and only there.
+    assert cluster["headGroupSpec"]["rayStartParams"] == {
+        "dashboard-host": "0.0.0.0", "num-cpus": "0", **RAY_PORT_PARAMS,
+        "resources": json.dumps(json.dumps({ROUTER_RESOURCE: 1000}, separators=(",", ":")))}
     assert target["rayStartParams"] == RAY_PORT_PARAMS
 
 
@@ -242,12 +247,13 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     _, app = serve_app(rs)
     example = AppConfig.from_yaml(REPO / "cluster" / "gpu-example.yaml").model_dump()
     example["target"]["sink_port"] = SINK_PORT
+    example["router"] = {"ray_resource": ROUTER_RESOURCE}
     example["grpc_tls"] = {"ca_file": f"{TLS_DIR}/ca.crt", "cert_file": f"{TLS_DIR}/tls.crt",
                            "key_file": f"{TLS_DIR}/tls.key", "server_name": "draft-sink"}
     assert chart_config(app) == pinned(example)
 
     g = groups(rs)
-    assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b", "router"}
     target, draft = g["target"], g["draft-llama-1b"]
     # A target replica is one pod with tensor_parallel_size GPUs, on H100 nodes.
     assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 4
@@ -414,10 +420,15 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
     _, app = serve_app(rs)
     cfg = chart_config(app)
     assert cfg.http.api_key is None and cfg.http.api_key_env == "SPECSERVE_API_KEY"
-    # Every Ray pod can host the router: each gets the key from the Secret.
+    # Only the router's pods get the key from the Secret (the router runs
+    # nowhere else: it asks for the Ray resource only they advertise).
+    assert cfg.router.ray_resource == ROUTER_RESOURCE
     for pod in _pods(rs):
-        assert {"name": "SPECSERVE_API_KEY",
-                "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} in container(pod)["env"]
+        hosts_router = ROUTER_RESOURCE in pod["rayStartParams"].get("resources", "")
+        assert hosts_router == (pod.get("groupName") == "router")
+        assert ({"name": "SPECSERVE_API_KEY",
+                 "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
+                in container(pod)["env"]) == hosts_router
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-the-secret")
     assert cfg.http.api_keys() == ("from-the-secret",)
     # Prometheus authenticates with the same Secret.
@@ -448,7 +459,7 @@ def test_pod_settings_reach_every_group_and_the_chart_takes_global():
     values = gpu_values()
     values["global"] = {"imageRegistry": "ignored.example.com"}
     values["head"] = {**values["head"], **settings}
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "router"):
         values["workerGroups"][name] = {**values["workerGroups"][name], **settings}
     values["gcsFaultTolerance"] = {"enabled": True, "redisAddress": "redis:6379",
                                    "redisPasswordSecret": {"name": "redis", "key": "password"}}

@@ -40,6 +40,8 @@ def _live_values() -> dict:
                                      "request_timeout_s": 30}
     values["specserve"]["drafts"][1]["replicas"] = {"min_replicas": 0, "max_replicas": 2,
                                                     "initial_replicas": 1}
+    values["specserve"]["router"] = {"replicas": {"min_replicas": 2, "max_replicas": 6},
+                                     "target_ongoing_requests": 100}
     return values
 
 
@@ -72,6 +74,7 @@ def test_the_live_values_reach_the_config():
     assert cfg.speculation.k_control.margin == 0.2 and cfg.quotas.max_n == 2
     assert cfg.quotas.max_queued_requests is None
     assert cfg.drafts[1].replicas.min_replicas == 0
+    assert cfg.router.replicas.max_replicas == 6
     target = next(d for d in app["deployments"] if d["name"] == "target")
     assert target["max_queued_requests"] == -1  # Serve's "no limit"
 

@@ -24,7 +24,7 @@ from test_helm import (RAY_PORT_PARAMS, SINK_PORT, TLS_DIR, chart_config, check_
 # ---- NetworkPolicies --------------------------------------------------------------
 
 NAMESPACE = "llm"
-OWN = {"head", "target", "draft"}
+OWN = {"head", "target", "draft", "router"}
 
 
 def pod_labels(rs: dict) -> dict[str, dict]:
@@ -90,7 +90,7 @@ def allowed(policies: list[dict], dst: dict, src, port: int) -> bool:
 
 RAY = {6379, 10001, 8265, 8076, 8077, 8078, 8079, 52365, 8080, 10002, 15000, 19999}
 PORTS = RAY | {8000, SINK_PORT, 20000, 22, 9000}
-EVERYONE = {"head", "target", "draft", "other pod", "operator", "prometheus", "outside"}
+EVERYONE = {"head", "target", "draft", "router", "other pod", "operator", "prometheus", "outside"}
 # The table: (from, to, ports) that are allowed; every other flow is denied.
 TABLE = [
     (OWN, OWN, RAY),                        # Ray's control and data plane among its pods
@@ -177,7 +177,10 @@ def test_draft_tls_is_on_by_default_and_reaches_only_targets_and_drafts():
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert not _mounts_tls(head)
+    assert not _mounts_tls(groups(rs).pop("router"))
     for name, group in groups(rs).items():
+        if name == "router":
+            continue
         assert _mounts_tls(group), name
         (volume,) = [v for v in group["template"]["spec"]["volumes"] if "secret" in v]
         assert volume["secret"]["secretName"] == "spec-specserve-draft-tls"
@@ -338,8 +341,8 @@ def test_workers_have_probes_on_healthz_grace_shm_and_restricted_security():
         spec = group["template"]["spec"]
         assert spec["terminationGracePeriodSeconds"] == 300
         (shm,) = [v for v in spec["volumes"] if v["name"] == "shm"]
-        assert shm["emptyDir"] == {"medium": "Memory",
-                                   "sizeLimit": "32Gi" if name == "target" else "8Gi"}
+        limit = {"target": {"sizeLimit": "32Gi"}, "router": {}}.get(name, {"sizeLimit": "8Gi"})
+        assert shm["emptyDir"] == {"medium": "Memory", **limit}
     # The head keeps KubeRay's probes.
     assert "startupProbe" not in container(head) and "readinessProbe" not in container(head)
     assert head["template"]["spec"]["terminationGracePeriodSeconds"] == 60
@@ -374,8 +377,8 @@ def test_idle_timeouts_per_group_need_autoscaler_v2():
     rs = render(gpu_values())["RayService"]
     check_rayservice(rs)
     assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] == "v2"
-    assert {n: g["idleTimeoutSeconds"] for n, g in groups(rs).items()} == {
-        "target": 1800, "draft-llama-1b": 600, "draft-llama-8b": 600}
+    assert {n: g.get("idleTimeoutSeconds") for n, g in groups(rs).items()} == {
+        "target": 1800, "draft-llama-1b": 600, "draft-llama-8b": 600, "router": None}
     values = gpu_values()
     values["autoscaler"] = {"version": None}
     with pytest.raises(helm.HelmError, match="idleTimeoutSeconds needs KubeRay's autoscaler v2"):
@@ -388,8 +391,9 @@ def test_the_head_pulls_the_cpu_image_and_the_example_is_not_public():
     rs = objs["RayService"]
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert container(head)["image"] == "registry.example.com/specserve:0.1.0-cpu"
-    for group in groups(rs).values():
-        assert container(group)["image"] == "registry.example.com/specserve:0.1.0-gpu"
+    for name, group in groups(rs).items():  # the router's pods hold no GPU either
+        flavor = "cpu" if name == "router" else "gpu"
+        assert container(group)["image"] == f"registry.example.com/specserve:0.1.0-{flavor}"
     # An explicit tag is every pod's image.
     rs = render({**gpu_values(), "image": {"repository": "r/s", "tag": "x"}})["RayService"]
     assert container(rs["spec"]["rayClusterConfig"]["headGroupSpec"])["image"] == "r/s:x"

@@ -99,6 +99,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $ceiling := $k -}}
 {{- if not (kindIs "invalid" $spec.max_speculative_tokens) }}{{ $ceiling = $spec.max_speculative_tokens }}{{ end -}}
 {{- $t := deepCopy ($app.target | default dict) -}}
+{{- $router := deepCopy ($app.router | default dict) -}}
 {{- $poolBounds := dict -}}
 {{- $codeDrafts := list -}}
 {{- range $app.drafts | default list -}}
@@ -108,7 +109,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- $quotas := $app.quotas | default dict -}}
 {{- $live := dict "speculation" (dict "num_speculative_tokens" $k "k_control" ($spec.k_control | default dict))
-    "quotas" $quotas "replicas" (dict "target" ($t.replicas | default dict) "drafts" $poolBounds) -}}
+    "quotas" $quotas "replicas" (dict "target" ($t.replicas | default dict) "router" ($router.replicas | default dict) "drafts" $poolBounds) -}}
 {{- /* The code part: the live settings out, K at the ceiling. */ -}}
 {{- $code := deepCopy $app -}}
 {{- $_ := set $spec "num_speculative_tokens" $ceiling -}}
@@ -118,6 +119,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := unset $code "quotas" -}}
 {{- $_ := unset $t "replicas" -}}
 {{- $_ := set $code "target" $t -}}
+{{- $_ := unset $router "replicas" -}}
+{{- $_ := set $code "router" $router -}}
 {{- if hasKey $code "drafts" }}{{ $_ := set $code "drafts" $codeDrafts }}{{ end -}}
 {{- /* The deployments' options (deployments.app.serve_app). */ -}}
 {{- $queue := $d.max_queued_requests -}}
@@ -125,7 +128,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if kindIs "invalid" $queue }}{{ $queue = -1 }}{{ end -}}
 {{- $target := dict "name" "target" "user_config" $live "max_queued_requests" (int $queue) -}}
 {{- range $key, $v := include "specserve.scaling" (dict "replicas" ($app.target | default dict).replicas "pool" "target" "defaults" $d) | fromJson }}{{ $_ := set $target $key $v }}{{ end -}}
-{{- $deployments := list (dict "name" "router" "user_config" $live) $target -}}
+{{- $routerOptions := dict "name" "router" "user_config" $live -}}
+{{- $ongoing := $router.target_ongoing_requests | default $d.router_target_ongoing_requests -}}
+{{- range $key, $v := include "specserve.scaling" (dict "replicas" ($app.router | default dict).replicas "pool" "router" "defaults" $d "ongoing" $ongoing) | fromJson }}{{ $_ := set $routerOptions $key $v }}{{ end -}}
+{{- $deployments := list $routerOptions $target -}}
 {{- range $app.drafts | default list -}}
 {{- $one := dict "name" (printf "draft-%s" .name) -}}
 {{- range $key, $v := include "specserve.scaling" (dict "replicas" .replicas "pool" "draft" "defaults" $d) | fromJson }}{{ $_ := set $one $key $v }}{{ end -}}
@@ -150,12 +156,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* A pool's Serve replica options as JSON, as deployments.app._scaling:
      fixed replicas, or autoscaling with specserve's policy of the pool:
-     (dict "replicas" $boundsOrNil "pool" "target" "defaults" $serveDefaults). */}}
+     (dict "replicas" $boundsOrNil "pool" "target" "defaults" $serveDefaults);
+     the router ("pool" "router" "ongoing" N) autoscales with Serve's own policy. */}}
 {{- define "specserve.scaling" -}}
 {{- $d := .defaults -}}
 {{- $r := include "specserve.withDefaults" (list .replicas $d.replicas) | fromJson -}}
 {{- if eq (int $r.min_replicas) (int $r.max_replicas) -}}
 {{- toJson (dict "num_replicas" (int $r.max_replicas) "autoscaling_config" nil) -}}
+{{- else if eq .pool "router" -}}
+{{- /* Serve's own request-based policy (deployments.app._router_scaling). */ -}}
+{{- toJson (dict "num_replicas" nil "autoscaling_config" (dict
+    "min_replicas" (int $r.min_replicas) "max_replicas" (int $r.max_replicas)
+    "initial_replicas" $r.initial_replicas
+    "upscale_delay_s" $r.upscale_delay_s "downscale_delay_s" $r.downscale_delay_s
+    "target_ongoing_requests" .ongoing)) -}}
 {{- else -}}
 {{- toJson (dict "num_replicas" nil "autoscaling_config" (dict
     "min_replicas" (int $r.min_replicas) "max_replicas" (int $r.max_replicas)
@@ -177,6 +191,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{- define "specserve.apiKeyEnv" -}}SPECSERVE_API_KEY{{- end -}}
 
+{{/* The Ray resource router replicas ask for (specserve.router.ray_resource):
+     only the router group's pods advertise it, or the head without that group;
+     only those pods get the API and metrics keys. */}}
+{{- define "specserve.routerResource" -}}specserve_router{{- end -}}
+
+{{/* What a router-hosting pod advertises: routers per pod (the head: any number). */}}
+{{- define "specserve.routerResources" -}}
+{{- toJson (dict (include "specserve.routerResource" .ctx) (.perPod | default 1000 | int)) -}}
+{{- end -}}
+
 {{/* The Secret holding the /metrics scrape key ("" without one). */}}
 {{- define "specserve.metricsKeySecret" -}}
 {{- if .Values.metricsKey.existingSecret -}}
@@ -193,6 +217,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
      http.api_key is refused, as it would be readable in the RayService. */}}
 {{- define "specserve.appConfig" -}}
 {{- $app := deepCopy .Values.specserve -}}
+{{- $router := $app.router | default dict -}}
+{{- if $router.ray_resource -}}
+{{- fail "specserve.router.ray_resource is the chart's to set (it pins the router to the router group's pods or the head); remove it" -}}
+{{- end -}}
+{{- $_ := set $router "ray_resource" (include "specserve.routerResource" .) -}}
+{{- $_ := set $app "router" $router -}}
 {{- $http := $app.http | default dict -}}
 {{- if $http.api_key -}}
 {{- fail "specserve.http.api_key would be written in plain text into the RayService's serveConfigV2; put the key in a Secret: set apiKey.existingSecret (or apiKey.value) instead" -}}
@@ -295,12 +325,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool
-     "drafting" bool): drafting containers (targets and drafts) mount the draft stream's certificates. */}}
+     "drafting" bool "router" bool "cpu" bool): cpu: the CPU image; drafting containers (targets and drafts) mount the draft
+     stream's certificates; router containers (where router replicas run) get the keys. */}}
 {{- define "specserve.container" -}}
 {{- $ := .ctx -}}
 {{- $g := .group -}}
 - name: {{ .name }}
-  image: {{ $g.image | default (include "specserve.image" (dict "ctx" $ "head" .head)) }}
+  image: {{ $g.image | default (include "specserve.image" (dict "ctx" $ "head" (or .head .cpu))) }}
   imagePullPolicy: {{ $.Values.image.pullPolicy }}
   {{- $res := deepCopy ($g.resources | default dict) }}
   {{- if gt (int .gpus) 0 }}
@@ -321,7 +352,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     - name: serve
       containerPort: {{ include "specserve.servePort" $ }}
     - {name: metrics, containerPort: {{ $.Values.rayPorts.metricsExport | int }}}
-  {{- $secret := include "specserve.apiKeySecret" $ }}
+  {{- $secret := and .router (include "specserve.apiKeySecret" $) }}
   env:
     # Ray would start its workers (the Serve replicas and their vLLM engines) at
     # nice 15, under every other process in the pod (specserve.placement.RAY_NODE_ENV).
@@ -330,12 +361,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
     {{- if $secret }}
-    # The router (on any pod) reads the API key from here (http.api_key_env).
+    # The router (only on pods that advertise specserve.routerResource) reads
+    # the API key from here (http.api_key_env).
     - name: {{ include "specserve.apiKeyEnv" $ }}
       valueFrom:
         secretKeyRef: {name: {{ $secret }}, key: {{ $.Values.apiKey.secretKey }}}
     {{- end }}
-    {{- with include "specserve.metricsKeySecret" $ }}
+    {{- with and .router (include "specserve.metricsKeySecret" $) }}
     # ... and the /metrics scrape key (http.metrics_key_env).
     - name: {{ include "specserve.metricsKeyEnv" $ }}
       valueFrom:
@@ -433,12 +465,12 @@ volumes:
 {{/* A group's rayStartParams with the accelerator types its pools ask for
      advertised as Ray resources (accelerator_type:<T>), so KubeRay's
      autoscaler knows which group to grow for a bundle that asks for one:
-     (dict "ctx" $ "params" $groupParams "types" (list "H100")). Ray's fixed ports
-     (rayPorts) are added; explicit params win. */}}
+     (dict "ctx" $ "params" $groupParams "types" (list "H100") ["resources" $moreResources]).
+     Ray's fixed ports (rayPorts) are added; explicit params win. */}}
 {{- define "specserve.groupStartParams" -}}
 {{- $p := merge (deepCopy (.params | default dict)) (include "specserve.rayPortParams" .ctx | fromJson) -}}
-{{- if and .types (not (hasKey $p "resources")) -}}
-{{- $res := dict -}}
+{{- if and (or .types .resources) (not (hasKey $p "resources")) -}}
+{{- $res := deepCopy (.resources | default dict) -}}
 {{- range .types }}{{ $_ := set $res (printf "accelerator_type:%s" .) 1 }}{{ end -}}
 {{- $_ := set $p "resources" (printf "%q" (toJson $res)) -}}
 {{- end -}}
