@@ -236,7 +236,8 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
                          "NetworkPolicy/ray", "NetworkPolicy/operator",
                          "NetworkPolicy/draft-sink", "Secret/draft-tls",
                          "PodDisruptionBudget/target", "PodDisruptionBudget/draft-llama-1b",
-                         "PodDisruptionBudget/draft-llama-8b", "NOTES"}
+                         "PodDisruptionBudget/draft-llama-8b", "PodDisruptionBudget/router",
+                         "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
     for kind in set(objs) - {"RayService", "NOTES", "PodMonitor/router", "PodMonitor/ray"}:

@@ -312,7 +312,7 @@ def test_a_disruption_budget_per_worker_group():
     labels["head"] = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"][
         "labels"]
     pdbs = {k.split("/")[1]: o for k, o in objs.items() if k.startswith("PodDisruptionBudget/")}
-    assert set(pdbs) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    assert set(pdbs) == {"target", "draft-llama-1b", "draft-llama-8b", "router"}
     for name, pdb in pdbs.items():
         validate_core(pdb)
         assert pdb["spec"]["maxUnavailable"] == 1
