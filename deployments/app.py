@@ -146,6 +146,17 @@ def serve_app(cfg: AppConfig) -> dict:
     }
 
 
+def code_version(app: dict) -> str:
+    """The code version Ray Serve gives every deployment of the Serve app
+    `app` (a `serve_app`): what must stay the same for a change to restart no
+    replica. Ray hashes the args, and also the deployments' autoscaling
+    policies: a pool switched between fixed replicas and autoscaling changes it."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    return get_app_code_version(ServeApplicationSchema.model_validate(app))
+
+
 def chart_defaults() -> dict:
     """What the Helm chart needs to render `serve_app` from its values, which
     hold only the keys that differ from AppConfig's defaults: the app's name

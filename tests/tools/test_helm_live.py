@@ -12,17 +12,10 @@ import copy
 import pytest
 import yaml
 
-from deployments.app import serve_app as python_serve_app
+from deployments.app import code_version, serve_app as python_serve_app
 from specserve.config import AppConfig
 from specserve.config.live import live_part, with_live
 from test_helm import chart_config, check_rayservice, gpu_values, render, serve_app
-
-
-def code_version(app: dict) -> str:
-    from ray.serve._private.deploy_utils import get_app_code_version
-    from ray.serve.schema import ServeApplicationSchema
-
-    return get_app_code_version(ServeApplicationSchema.model_validate(app))
 
 
 def with_k(values: dict, k: int) -> dict:
