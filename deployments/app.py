@@ -12,7 +12,7 @@ KubeRay's serveConfigV2) that keeps the two parts apart.
 
 from __future__ import annotations
 
-from specserve.config import AppConfig, Autoscaling
+from specserve.config import AppConfig, Autoscaling, QuotaConfig, SpeculationConfig
 from specserve.config.live import code_part, live_part
 from specserve.placement import draft_actor_options, target_placement
 
@@ -23,21 +23,25 @@ from deployments.target import TargetServer
 
 APP_NAME = "specserve"
 IMPORT_PATH = "deployments.app:app_from_args"
+# Replicas sample record_autoscaling_stats every look_back/5 seconds.
+LOOK_BACK_PERIOD_S = 10
+POLICIES = {"target": "specserve.control.autoscale:target_policy",
+            "draft": "specserve.control.autoscale:draft_policy"}
 
 
-def _scaling(r: Autoscaling, policy: str) -> dict:
-    """Fixed replicas, or autoscaling with specserve's policy
+def _scaling(r: Autoscaling, pool: str) -> dict:
+    """Fixed replicas, or autoscaling with specserve's policy of `pool`
     (specserve.control.autoscale); the other option null, so that one
-    replaces the other when the Serve config changes."""
+    replaces the other when the Serve config changes. The Helm chart renders
+    the same (helm/specserve/serve-defaults.json, `chart_defaults`)."""
     if r.min_replicas == r.max_replicas:
         return {"num_replicas": r.max_replicas, "autoscaling_config": None}
     return {"num_replicas": None, "autoscaling_config": {
         "min_replicas": r.min_replicas, "max_replicas": r.max_replicas,
         "initial_replicas": r.initial_replicas,
         "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
-        # Replicas sample record_autoscaling_stats every look_back/5 seconds.
-        "look_back_period_s": 10,
-        "policy": {"policy_function": f"specserve.control.autoscale:{policy}"},
+        "look_back_period_s": LOOK_BACK_PERIOD_S,
+        "policy": {"policy_function": POLICIES[pool]},
     }}
 
 
@@ -58,7 +62,7 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
             ray_actor_options=draft_actor_options(d.resources),
             max_ongoing_requests=d.max_ongoing_requests,
             health_check_period_s=10,
-            **_scaling(d.replicas, "draft_policy"),
+            **_scaling(d.replicas, "draft"),
         ).bind(code.drafts[i].model_dump(mode="json"), cfg.target.tensor_parallel_size,
                cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None,
                code.speculation.model_dump(mode="json"))
@@ -79,15 +83,42 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
         max_queued_requests=_queue(cfg),
         health_check_period_s=10,
         user_config=live,
-        **_scaling(t.replicas, "target_policy"),
+        **_scaling(t.replicas, "target"),
     ).bind(config, drafts)
 
     return serve.deployment(Router).options(
         name="router",
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=1024,
+        ray_actor_options=router_actor_options(cfg),
+        max_ongoing_requests=ROUTER_MAX_ONGOING,
         user_config=live,
+        **_router_scaling(cfg),
     ).bind(config, target, list(drafts))
+
+
+ROUTER_MAX_ONGOING = 1024
+
+
+def router_actor_options(cfg: AppConfig) -> dict:
+    """The router takes no CPU; with router.ray_resource it runs only where
+    that resource is (the chart's router pods, or the head: the pods that hold
+    the API key)."""
+    opts: dict = {"num_cpus": 0}
+    if cfg.router.ray_resource:
+        opts["resources"] = {cfg.router.ray_resource: 1}
+    return opts
+
+
+def _router_scaling(cfg: AppConfig) -> dict:
+    """Fixed router replicas, or Serve's own request-based autoscaling."""
+    r = cfg.router.replicas
+    if r.min_replicas == r.max_replicas:
+        return {"num_replicas": r.max_replicas, "autoscaling_config": None}
+    return {"num_replicas": None, "autoscaling_config": {
+        "min_replicas": r.min_replicas, "max_replicas": r.max_replicas,
+        "initial_replicas": r.initial_replicas,
+        "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
+        "target_ongoing_requests": cfg.router.target_ongoing_requests,
+    }}
 
 
 def _queue(cfg: AppConfig) -> int:
@@ -106,13 +137,39 @@ def serve_app(cfg: AppConfig) -> dict:
         "name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH,
         "args": code_part(cfg),
         "deployments": [
-            {"name": "router", "user_config": live},
+            {"name": "router", "user_config": live, **_router_scaling(cfg)},
             {"name": "target", "user_config": live, "max_queued_requests": _queue(cfg),
-             **_scaling(t.replicas, "target_policy")},
-            *({"name": f"draft-{d.name}", **_scaling(d.replicas, "draft_policy")}
+             **_scaling(t.replicas, "target")},
+            *({"name": f"draft-{d.name}", **_scaling(d.replicas, "draft")}
               for d in cfg.drafts),
         ],
     }
+
+
+def code_version(app: dict) -> str:
+    """The code version Ray Serve gives every deployment of the Serve app
+    `app` (a `serve_app`): what must stay the same for a change to restart no
+    replica. Ray hashes the args, and also the deployments' autoscaling
+    policies: a pool switched between fixed replicas and autoscaling changes it."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    return get_app_code_version(ServeApplicationSchema.model_validate(app))
+
+
+def chart_defaults() -> dict:
+    """What the Helm chart needs to render `serve_app` from its values, which
+    hold only the keys that differ from AppConfig's defaults: the app's name
+    and builder, the defaults of the live settings, and the autoscaling
+    options `_scaling` adds. `make helm-schema` writes it to
+    helm/specserve/serve-defaults.json (JSON types)."""
+    return {"app": {"name": APP_NAME, "import_path": IMPORT_PATH},
+            "num_speculative_tokens": SpeculationConfig().num_speculative_tokens,
+            "replicas": Autoscaling().model_dump(mode="json"),
+            "max_queued_requests": QuotaConfig().max_queued_requests,
+            "router_target_ongoing_requests": AppConfig().router.target_ongoing_requests,
+            "look_back_period_s": LOOK_BACK_PERIOD_S,
+            "policies": POLICIES}
 
 
 def serve_deploy_config(cfg: AppConfig) -> dict:

@@ -197,6 +197,22 @@ def bearer_matches(header: str, keys: tuple[str, ...]) -> bool:
     return found
 
 
+def keys_for(path: str, api_keys: tuple[str, ...],
+             metrics_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys a request to `path` must bear one of (empty: none needed).
+    /healthz and /dashboard are public (the page holds no figures: it asks for
+    the key and sends it with every /v1/spec/stats call). /metrics takes its
+    own scrape keys when there are any, and then only them: a scraper's
+    credential opens nothing else and a client's API key does not read the
+    fleet's figures; without scrape keys it goes with the API keys."""
+    path = path.rstrip("/")
+    if path in ("/healthz", "/dashboard"):
+        return ()
+    if path == "/metrics" and metrics_keys:
+        return metrics_keys
+    return api_keys
+
+
 class Router:
     def __init__(self, config: dict, target, draft_names: list[str],
                  serve_metrics: bool = True):
@@ -205,6 +221,7 @@ class Router:
         self.config = AppConfig.model_validate(config)
         self.target = target
         self.api_keys = self.config.http.api_keys()  # api_key_env: from a Secret
+        self.metrics_keys = self.config.http.metrics_keys()
         self.max_body = self.config.http.max_body_bytes
         self.timeout_s = self.config.quotas.request_timeout_s
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
@@ -276,12 +293,10 @@ class Router:
                                   type="server_error").body(), 500)
 
     def _authorize(self, request) -> None:
-        # The dashboard page holds no figures (it asks for the key and sends
-        # it with every /v1/spec/stats call), so it is public like /healthz.
-        if not self.api_keys or request.url.path.rstrip("/") in ("/healthz", "/dashboard"):
-            return
-        if not bearer_matches(request.headers.get("authorization", ""), self.api_keys):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+        keys = keys_for(request.url.path, self.api_keys, self.metrics_keys)
+        if keys and not bearer_matches(request.headers.get("authorization", ""), keys):
+            what = "metrics key" if keys is self.metrics_keys else "API key"
+            raise ApiError(401, f"missing or wrong {what}: send 'Authorization: Bearer KEY'",
                            type="authentication_error", code="invalid_api_key")
 
     async def _health(self):

@@ -207,7 +207,7 @@ def reload(args, cfg, stop):
     when the new one is refused. Returns the config now running."""
     from ray import serve
 
-    from specserve.config.live import code_part
+    from deployments.app import code_version, serve_app
 
     try:
         new = checked_config(args)
@@ -218,8 +218,10 @@ def reload(args, cfg, stop):
     if (new.http.host, new.http.port) != (cfg.http.host, cfg.http.port):
         print("specserve: http.host and http.port take effect at the next start only",
               file=sys.stderr, flush=True)
-    what = ("live settings only: the replicas keep running" if code_part(new) == code_part(cfg)
-            else "models, engines or resources changed: the replicas are replaced")
+    what = ("live settings only: the replicas keep running"
+            if code_version(serve_app(new)) == code_version(serve_app(cfg))
+            else "models, engines, resources or a pool's fixed/autoscaled choice changed: "
+                 "the replicas are replaced")
     print(f"specserve: applying the changed config ({what})", file=sys.stderr, flush=True)
     try:
         deploy(new)

@@ -1,6 +1,7 @@
 """The router's HTTP ingress in the config (`http:`): where it listens, the
 API keys it asks for (inline, from an environment variable or from a file;
-several for rotation) and the largest body it takes. Part of `AppConfig`
+several for rotation), the scrape keys of /metrics, and the largest body it
+takes. Part of `AppConfig`
 (specserve/config/schema.py); the router compares keys
 (deployments/router.py)."""
 
@@ -38,6 +39,13 @@ class HttpConfig(_Strict):
                           "argv (`specserve serve --api-key-file`). Several keys (rotation) "
                           "one per line; '#' starts a comment. Null: api_key or api_key_env "
                           "decides.")
+    metrics_key_env: str | None = Field(
+        None, description="Name of an environment variable holding the key(s) a scraper sends "
+                          "to /metrics (Authorization: Bearer ...), read by the router when it "
+                          "starts; several separated by commas or whitespace. When set, "
+                          "/metrics takes only these keys (an API key does not open it, and "
+                          "these keys open nothing else). Null: /metrics takes the API keys "
+                          "(and is open without them).")
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1, description="Largest request body accepted, bytes; "
                                            "larger requests get HTTP 413.")
@@ -58,12 +66,12 @@ class HttpConfig(_Strict):
             raise ValueError("api_key is empty; set a key or use null for no authentication")
         return v
 
-    @field_validator("api_key_env")
+    @field_validator("api_key_env", "metrics_key_env")
     @classmethod
-    def _api_key_env_name(cls, v):
+    def _env_name(cls, v, info):
         if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError(f"api_key_env {v!r} is not an environment variable name; use "
-                             "letters, digits and '_' (e.g. SPECSERVE_API_KEY)")
+            raise ValueError(f"{info.field_name} {v!r} is not an environment variable name; "
+                             "use letters, digits and '_' (e.g. SPECSERVE_API_KEY)")
         return v
 
     @field_validator("api_key_file")
@@ -88,12 +96,7 @@ class HttpConfig(_Strict):
         if self.api_key is not None:
             return (self.api_key,)
         if self.api_key_env is not None:
-            keys = tuple(os.environ.get(self.api_key_env, "").replace(",", " ").split())
-            if not keys:
-                raise ConfigError(f"http.api_key_env: the environment variable "
-                                  f"{self.api_key_env} is not set or empty; set it (the Helm "
-                                  "chart fills it from its Secret) or remove api_key_env")
-            return keys
+            return _env_keys(self.api_key_env, "api_key_env")
         if self.api_key_file is not None:
             try:
                 text = Path(self.api_key_file).read_text()
@@ -107,3 +110,21 @@ class HttpConfig(_Strict):
                                   "write one key per line")
             return keys
         return ()
+
+    def metrics_keys(self) -> tuple[str, ...]:
+        """The keys /metrics takes instead of the API keys (empty: none of its
+        own; /metrics then goes with the API keys). Read now."""
+        if self.metrics_key_env is None:
+            return ()
+        return _env_keys(self.metrics_key_env, "metrics_key_env")
+
+
+def _env_keys(name: str, field: str) -> tuple[str, ...]:
+    """The keys of environment variable `name` (split at commas and
+    whitespace); ConfigError when it holds none."""
+    keys = tuple(os.environ.get(name, "").replace(",", " ").split())
+    if not keys:
+        raise ConfigError(f"http.{field}: the environment variable {name} is not set or "
+                          f"empty; set it (the Helm chart fills it from its Secret) or remove "
+                          f"{field}")
+    return keys

@@ -12,7 +12,7 @@ reloads its model). So the Serve config carries a config in two parts:
 - the *live part* (`live_part`): each deployment's `user_config`, which Serve
   hands to the running replicas' `reconfigure` (`with_live` merges it back):
   K up to the ceiling, the K controller's thresholds, the quotas and the
-  replica bounds of every pool. The replica bounds and the target's queue
+  replica bounds of every pool and of the router. The replica bounds and the target's queue
   limit also go to Serve as deployment options (`deployments.app.serve_config`),
   which Serve applies without restarting replicas.
 
@@ -39,6 +39,7 @@ def live_part(cfg: AppConfig) -> dict:
                         "k_control": spec.k_control.model_dump(mode="json")},
         "quotas": cfg.quotas.model_dump(mode="json"),
         "replicas": {"target": cfg.target.replicas.model_dump(mode="json"),
+                     "router": cfg.router.replicas.model_dump(mode="json"),
                      "drafts": {d.name: d.replicas.model_dump(mode="json")
                                 for d in cfg.drafts}},
     }
@@ -54,6 +55,7 @@ def code_part(cfg: AppConfig) -> dict:
     del spec["k_control"]
     del data["quotas"]
     del data["target"]["replicas"]
+    del data["router"]["replicas"]
     for d in data["drafts"]:
         del d["replicas"]
     return data
@@ -75,8 +77,9 @@ def with_live(cfg: AppConfig, live: dict) -> AppConfig:
     if "quotas" in live:
         data["quotas"] = copy.deepcopy(live["quotas"])
     replicas = live.get("replicas", {})
-    if "target" in replicas:
-        data["target"]["replicas"] = copy.deepcopy(replicas["target"])
+    for pool in ("target", "router"):
+        if pool in replicas:
+            data[pool]["replicas"] = copy.deepcopy(replicas[pool])
     for d in data["drafts"]:
         if d["name"] in replicas.get("drafts", {}):
             d["replicas"] = copy.deepcopy(replicas["drafts"][d["name"]])

@@ -301,6 +301,23 @@ class GrpcTlsConfig(_Strict):
         return _require_non_empty(v, info.field_name)
 
 
+class RouterConfig(_Strict):
+    """The router deployment (the HTTP ingress): its replicas and where they run."""
+
+    replicas: Autoscaling = Field(
+        default_factory=Autoscaling,
+        description="Router replica bounds; min < max autoscales on requests in flight "
+                    "(Serve's own policy, target_ongoing_requests per replica).")
+    target_ongoing_requests: int = Field(
+        256, ge=1, description="Requests in flight per router replica that Serve's "
+                               "autoscaling aims for (when min_replicas < max_replicas).")
+    ray_resource: str | None = Field(
+        None, min_length=1,
+        description="A Ray custom resource each router replica asks one unit of, so that it "
+                    "runs only on nodes that advertise it (the Helm chart's router pods, or "
+                    "the head), the only ones that need the API key. Null: any node.")
+
+
 class AppConfig(_Strict):
     """A whole specserve deployment."""
 
@@ -316,6 +333,8 @@ class AppConfig(_Strict):
         default_factory=QuotaConfig,
         description="Per-request limits (n, prompt and completion tokens), the queue in "
                     "front of the target pool, the request timeout.")
+    router: RouterConfig = Field(
+        default_factory=RouterConfig, description="The router deployment (HTTP ingress).")
     ray: RayConfig = Field(
         default_factory=RayConfig, description="Ray cluster.")
     grpc_tls: GrpcTlsConfig | None = Field(

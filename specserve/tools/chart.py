@@ -9,8 +9,10 @@ keys describe the Kubernetes side of the chart (image, head and worker groups,
 Serve service, API key Secret, GCS fault tolerance, Ray's ports, NetworkPolicies,
 Ray token authentication, the draft stream's TLS, monitoring, Grafana dashboard); `global` is accepted so the chart works as a subchart.
 
-`make helm-schema` (python -m specserve.tools.chart) writes the file; a test checks
-the checked-in file equals what this generates.
+`make helm-schema` (python -m specserve.tools.chart) writes the file, and
+helm/specserve/serve-defaults.json beside it (`deployments.app.chart_defaults`:
+what the chart needs to render the Serve config as `deployments.app.serve_app`
+does); a test checks the checked-in files equal what this generates.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 
 from specserve.config import AppConfig
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "specserve" / "values.schema.json"
+CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "specserve"
+SCHEMA_PATH = CHART_DIR / "values.schema.json"
+DEFAULTS_PATH = CHART_DIR / "serve-defaults.json"
 
 
 def _obj(properties: dict, description: str, required: list[str] | None = None) -> dict:
@@ -198,6 +202,17 @@ def values_schema() -> dict:
                                         "specserve.target.replicas"),
                 "draft": _worker_group("draft", "the pool's resources.gpus_per_worker, "
                                        "rounded up", "the pool's replicas"),
+                "router": _obj({
+                    "enabled": {"type": "boolean", "description": "The router's own pods; "
+                                "false: the router runs on the head."},
+                    "routersPerPod": {"type": "integer", "minimum": 1,
+                                      "description": "Router replicas one pod holds."},
+                    "minReplicas": {"type": "integer", "minimum": 0},
+                    "maxReplicas": {"type": "integer", "minimum": 1},
+                    "idleTimeoutSeconds": _nullable({"type": "integer", "minimum": 0,
+                                                     "description": "As the other groups'."}),
+                    **_pod_settings("router"),
+                }, "The router's pods (CPU): the only pods with the API key."),
                 "draftPools": {"type": "object", "description": "Per draft pool name: the "
                                "keys of `draft` its own group (draft-<name>) sets differently.",
                                "additionalProperties": _worker_group(
@@ -211,6 +226,27 @@ def values_schema() -> dict:
                 "annotations": _MAP_OF_STRINGS,
             }, "KubeRay's Serve service (spec.serveService) in front of the active cluster's "
                "Serve proxies."),
+            "ingress": _obj({
+                "enabled": {"type": "boolean"},
+                "className": {"type": "string", "description": "IngressClass; empty: the "
+                              "cluster's default."},
+                "host": {"type": "string", "description": "The name clients use (needed "
+                         "when enabled)."},
+                "annotations": _MAP_OF_STRINGS,
+                "tls": _obj({"secretName": {"type": "string", "description": "The Secret "
+                             "with the certificate for host (needed when enabled)."}},
+                            "TLS of the Ingress (always on)."),
+            }, "An Ingress with TLS in front of the Serve service."),
+            "gateway": _obj({
+                "enabled": {"type": "boolean"},
+                "parentRefs": {"type": "array", "items": {"type": "object"},
+                               "description": "Gateway API ParentReferences: the Gateway and "
+                                              "its HTTPS listener (sectionName)."},
+                "hostnames": {"type": "array", "items": {"type": "string"}},
+                "requestTimeout": _nullable({"type": "string", "description": "The route's "
+                                             "request timeout (e.g. 600s). Null: the "
+                                             "Gateway's."}),
+            }, "A Gateway API HTTPRoute to the Serve service; TLS ends at the Gateway."),
             "apiKey": _obj({
                 "existingSecret": {"type": "string",
                                    "description": "Name of a Secret holding the API key."},
@@ -221,6 +257,16 @@ def values_schema() -> dict:
                                          "(and no existingSecret): no authentication."},
             }, "The API key clients must send, from a Secret: the Ray pods get it as "
                "SPECSERVE_API_KEY (specserve.http.api_key_env); never in the RayService."),
+            "metricsKey": _obj({
+                "existingSecret": {"type": "string",
+                                   "description": "Name of a Secret holding the scrape key."},
+                "secretKey": {"type": "string", "minLength": 1,
+                              "description": "The Secret's key holding the scrape key."},
+                "value": {"type": "string",
+                          "description": "The scrape key; the chart creates the Secret. Empty "
+                                         "(and no existingSecret): /metrics takes the API key."},
+            }, "The key Prometheus sends to /metrics, from a Secret (SPECSERVE_METRICS_KEY, "
+               "specserve.http.metrics_key_env): /metrics then takes only it."),
             "gcsFaultTolerance": _obj({
                 "enabled": {"type": "boolean"},
                 "redisAddress": {"type": "string", "description": "Redis host:port."},
@@ -274,7 +320,8 @@ def values_schema() -> dict:
                     "bearerTokenSecret": _nullable(_obj({
                         "name": {"type": "string", "minLength": 1},
                         "key": {"type": "string", "minLength": 1},
-                    }, "Secret key holding the API key. Null: the apiKey Secret.",
+                    }, "Secret key holding the bearer token. Null: the metricsKey Secret, "
+                       "else the apiKey Secret.",
                         ["name", "key"])),
                 }, "A PodMonitor for the router's /metrics, through the head pod's proxy "
                    "(once per Ray cluster)."),
@@ -298,6 +345,13 @@ def render() -> str:
     return json.dumps(values_schema(), indent=2, sort_keys=False) + "\n"
 
 
+def render_defaults() -> str:
+    from deployments.app import chart_defaults
+
+    return json.dumps(chart_defaults(), indent=2) + "\n"
+
+
 if __name__ == "__main__":
     SCHEMA_PATH.write_text(render())
-    print(SCHEMA_PATH)
+    DEFAULTS_PATH.write_text(render_defaults())
+    print(SCHEMA_PATH, DEFAULTS_PATH)

@@ -90,3 +90,17 @@ def test_the_serve_config_is_one_ray_serve_accepts():
     from deployments.app import serve_deploy_config
 
     ServeDeploySchema.model_validate(serve_deploy_config(cfg()))
+
+
+def test_the_code_version_ray_hashes_stays_for_live_changes_only():
+    """deployments.app.code_version: what `specserve serve` compares on SIGHUP."""
+    from deployments.app import code_version
+
+    base = code_version(serve_app(cfg()))
+    assert code_version(serve_app(cfg(speculation__num_speculative_tokens=2))) == base
+    assert code_version(serve_app(cfg(target__replicas={"min_replicas": 1,
+                                                        "max_replicas": 5}))) == base
+    # Ray hashes the autoscaling policies too: fixed -> autoscaled is not live.
+    assert code_version(serve_app(cfg(target__replicas={"min_replicas": 2,
+                                                        "max_replicas": 2}))) != base
+    assert code_version(serve_app(cfg(target__model="/m/other"))) != base

@@ -185,6 +185,45 @@ def test_any_of_several_keys_is_accepted_in_constant_time(monkeypatch):
     assert compared == [b"Bearer a", b"Bearer b", b"Bearer c"]  # no early exit
 
 
+@pytest.mark.parametrize("api_key", [None, "sesame"])
+def test_metrics_takes_its_own_scrape_key_and_only_it(monkeypatch, api_key):
+    """http.metrics_key_env: /metrics refuses without the scrape key and
+    serves with it; an API key does not open it, nor the scrape key the API."""
+    from deployments.router import keys_for
+
+    monkeypatch.setattr("deployments.ops.REMOTE_WAIT_S", 0.05)
+    monkeypatch.setenv("SPECSERVE_ROUTER_TEST_METRICS", "scrape-1 scrape-2")
+
+    async def go():
+        target = FakeTarget()
+        target.spec_totals.hang = target.draft_active.hang = target.metrics_report.hang = True
+        r = router(target, api_key=api_key, metrics_key_env="SPECSERVE_ROUTER_TEST_METRICS")
+        for header, status in (("", 401), ("Bearer sesame", 401), ("Bearer scrape-1", 200),
+                               ("Bearer scrape-2", 200), ("Bearer scrape-", 401)):
+            got, _, text = await asyncio.wait_for(answer(r, request(
+                "GET", "/metrics", headers={"authorization": header})), 5)
+            assert got == status, header
+            if status == 200:
+                assert b"specserve_" in text
+            else:
+                assert b"metrics key" in text
+        # The scrape key opens nothing else (404: past authorization).
+        got, _, _ = await answer(r, request("GET", "/nope",
+                                            headers={"authorization": "Bearer scrape-1"}))
+        assert got == (401 if api_key else 404)
+        got, _, _ = await answer(r, request("GET", "/nope",
+                                            headers={"authorization": f"Bearer {api_key}"}))
+        assert got == 404
+
+    asyncio.run(go())
+    # Without scrape keys /metrics goes with the API keys, as before.
+    assert keys_for("/metrics/", ("k",), ()) == ("k",)
+    assert keys_for("/healthz", ("k",), ("m",)) == ()
+    monkeypatch.delenv("SPECSERVE_ROUTER_TEST_METRICS")
+    with pytest.raises(Exception, match="metrics_key_env: the environment variable"):
+        router(FakeTarget(), metrics_key_env="SPECSERVE_ROUTER_TEST_METRICS")
+
+
 def test_healthz_needs_a_target_replica_that_answers(monkeypatch):
     from ray.serve.exceptions import BackPressureError
 

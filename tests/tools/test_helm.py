@@ -43,6 +43,7 @@ RAY_PORT_PARAMS = {"object-manager-port": "8076", "node-manager-port": "8077",
                    "runtime-env-agent-port": "8078", "dashboard-agent-grpc-port": "8079",
                    "dashboard-agent-listen-port": "52365", "metrics-export-port": "8080",
                    "min-worker-port": "10002", "max-worker-port": "19999"}
+ROUTER_RESOURCE = "specserve_router"  # the Ray resource only router-hosting pods advertise
 SEVERAL = ("PodMonitor", "NetworkPolicy", "Secret", "PodDisruptionBudget")
 
 
@@ -141,6 +142,24 @@ def serve_app(rs: dict) -> dict:
     return serve_config, app
 
 
+def chart_config(app: dict) -> AppConfig:
+    """The whole config a rendered Serve app carries: its args (the code part)
+    with the live part of the router's user_config put back, as the
+    replicas' reconfigure does (tests/tools/test_helm_live.py)."""
+    from specserve.config.live import with_live
+
+    router = next(d for d in app["deployments"] if d["name"] == "router")
+    return with_live(AppConfig.from_dict(app["args"], source="args"), router["user_config"])
+
+
+def pinned(data: dict) -> AppConfig:
+    """The config `data` with the engine's K ceiling written out, as the code
+    part carries it (max_speculative_tokens null: K)."""
+    cfg = AppConfig.from_dict(data)
+    spec = cfg.speculation.model_copy(update={"max_speculative_tokens": cfg.speculation.engine_k()})
+    return cfg.model_copy(update={"speculation": spec})
+
+
 def groups(rs: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
 
@@ -187,9 +206,10 @@ def test_default_values_render_a_valid_cpu_deployment():
     serve_config, app = serve_app(rs)
     assert serve_config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert app["route_prefix"] == "/"
-    cfg = AppConfig.from_dict(app["args"], source="serveConfigV2")
-    assert cfg == AppConfig.from_dict({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
-                                       "target": {"sink_port": SINK_PORT}})
+    cfg = chart_config(app)
+    assert cfg == pinned({"http": {"host": "0.0.0.0"}, "ray": {"address": "auto"},
+                          "target": {"sink_port": SINK_PORT},
+                          "router": {"ray_resource": ROUTER_RESOURCE}})
     # The import path names a Serve application builder that takes the args.
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
@@ -202,8 +222,11 @@ def test_default_values_render_a_valid_cpu_deployment():
     target = groups(rs)["target"]
     assert (target["minReplicas"], target["maxReplicas"]) == (1, 1)
     assert "nvidia.com/gpu" not in container(target)["resources"]["limits"]
-    assert cluster["headGroupSpec"]["rayStartParams"] == {"dashboard-host": "0.0.0.0",
-                                                          "num-cpus": "0", **RAY_PORT_PARAMS}
+    # Without the router group the router runs on the head (the Ray resource
+    # its replicas ask for), and only there.
+    assert cluster["headGroupSpec"]["rayStartParams"] == {
+        "dashboard-host": "0.0.0.0", "num-cpus": "0", **RAY_PORT_PARAMS,
+        "resources": json.dumps(json.dumps({ROUTER_RESOURCE: 1000}, separators=(",", ":")))}
     assert target["rayStartParams"] == RAY_PORT_PARAMS
 
 
@@ -213,7 +236,8 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
                          "NetworkPolicy/ray", "NetworkPolicy/operator",
                          "NetworkPolicy/draft-sink", "Secret/draft-tls",
                          "PodDisruptionBudget/target", "PodDisruptionBudget/draft-llama-1b",
-                         "PodDisruptionBudget/draft-llama-8b", "NOTES"}
+                         "PodDisruptionBudget/draft-llama-8b", "PodDisruptionBudget/router",
+                         "NOTES"}
     rs = objs["RayService"]
     check_rayservice(rs)
     for kind in set(objs) - {"RayService", "NOTES", "PodMonitor/router", "PodMonitor/ray"}:
@@ -224,12 +248,13 @@ def test_gpu_example_renders_gpu_groups_and_the_example_config():
     _, app = serve_app(rs)
     example = AppConfig.from_yaml(REPO / "cluster" / "gpu-example.yaml").model_dump()
     example["target"]["sink_port"] = SINK_PORT
+    example["router"] = {"ray_resource": ROUTER_RESOURCE}
     example["grpc_tls"] = {"ca_file": f"{TLS_DIR}/ca.crt", "cert_file": f"{TLS_DIR}/tls.crt",
                            "key_file": f"{TLS_DIR}/tls.key", "server_name": "draft-sink"}
-    assert AppConfig.from_dict(app["args"]) == AppConfig.from_dict(example)
+    assert chart_config(app) == pinned(example)
 
     g = groups(rs)
-    assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    assert set(g) == {"target", "draft-llama-1b", "draft-llama-8b", "router"}
     target, draft = g["target"], g["draft-llama-1b"]
     # A target replica is one pod with tensor_parallel_size GPUs, on H100 nodes.
     assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 4
@@ -317,7 +342,10 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
         actor = d._replica_config.ray_actor_options
         assert actor["num_gpus"] <= limits[name]["nvidia.com/gpu"]
         assert actor["num_cpus"] <= float(limits[name]["cpu"])
-        assert d._deployment_config.autoscaling_config.max_replicas in (8, 4)
+    # The pools' bounds are deployment options of the Serve config (live settings).
+    options = {d["name"]: d for d in app["deployments"]}
+    assert [options[n]["autoscaling_config"]["max_replicas"]
+            for n in ("target", "draft-llama-1b", "draft-llama-8b")] == [4, 8, 4]
 
 
 def test_values_schema_rejects_typos_and_bad_values():
@@ -345,7 +373,7 @@ def test_overrides_reach_the_serve_config():
     rs = objs["RayService"]
     check_rayservice(rs)
     serve_config, app = serve_app(rs)
-    cfg = AppConfig.from_dict(app["args"])
+    cfg = chart_config(app)
     assert cfg.http.port == 9000 and cfg.http.host == "0.0.0.0"
     assert cfg.speculation.num_speculative_tokens == 6 and cfg.target.engine.max_model_len == 4096
     assert serve_config["http_options"]["port"] == 9000
@@ -391,12 +419,17 @@ def test_api_key_comes_from_a_secret_never_the_serve_config(api_key, monkeypatch
     else:
         assert "Secret/api-key" not in objs
     _, app = serve_app(rs)
-    cfg = AppConfig.from_dict(app["args"])
+    cfg = chart_config(app)
     assert cfg.http.api_key is None and cfg.http.api_key_env == "SPECSERVE_API_KEY"
-    # Every Ray pod can host the router: each gets the key from the Secret.
+    # Only the router's pods get the key from the Secret (the router runs
+    # nowhere else: it asks for the Ray resource only they advertise).
+    assert cfg.router.ray_resource == ROUTER_RESOURCE
     for pod in _pods(rs):
-        assert {"name": "SPECSERVE_API_KEY",
-                "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} in container(pod)["env"]
+        hosts_router = ROUTER_RESOURCE in pod["rayStartParams"].get("resources", "")
+        assert hosts_router == (pod.get("groupName") == "router")
+        assert ({"name": "SPECSERVE_API_KEY",
+                 "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
+                in container(pod)["env"]) == hosts_router
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-the-secret")
     assert cfg.http.api_keys() == ("from-the-secret",)
     # Prometheus authenticates with the same Secret.
@@ -427,7 +460,7 @@ def test_pod_settings_reach_every_group_and_the_chart_takes_global():
     values = gpu_values()
     values["global"] = {"imageRegistry": "ignored.example.com"}
     values["head"] = {**values["head"], **settings}
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "router"):
         values["workerGroups"][name] = {**values["workerGroups"][name], **settings}
     values["gcsFaultTolerance"] = {"enabled": True, "redisAddress": "redis:6379",
                                    "redisPasswordSecret": {"name": "redis", "key": "password"}}

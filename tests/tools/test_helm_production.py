@@ -17,13 +17,14 @@ import itertools
 import pytest
 
 from specserve.config import AppConfig
-from test_helm import (RAY_PORT_PARAMS, SINK_PORT, TLS_DIR, check_rayservice, container,
+from test_helm import (RAY_PORT_PARAMS, SINK_PORT, TLS_DIR, chart_config, check_rayservice,
+                       container,
                        gpu_values, groups, render, serve_app, validate_core)
 
 # ---- NetworkPolicies --------------------------------------------------------------
 
 NAMESPACE = "llm"
-OWN = {"head", "target", "draft"}
+OWN = {"head", "target", "draft", "router"}
 
 
 def pod_labels(rs: dict) -> dict[str, dict]:
@@ -89,7 +90,7 @@ def allowed(policies: list[dict], dst: dict, src, port: int) -> bool:
 
 RAY = {6379, 10001, 8265, 8076, 8077, 8078, 8079, 52365, 8080, 10002, 15000, 19999}
 PORTS = RAY | {8000, SINK_PORT, 20000, 22, 9000}
-EVERYONE = {"head", "target", "draft", "other pod", "operator", "prometheus", "outside"}
+EVERYONE = {"head", "target", "draft", "router", "other pod", "operator", "prometheus", "outside"}
 # The table: (from, to, ports) that are allowed; every other flow is denied.
 TABLE = [
     (OWN, OWN, RAY),                        # Ray's control and data plane among its pods
@@ -120,7 +121,7 @@ def test_network_policies_allow_exactly_the_table():
     assert flows(objs) == table(TABLE)
     # The sink's port is the one the target binds (specserve.target.sink_port).
     _, app = serve_app(objs["RayService"])
-    assert AppConfig.from_dict(app["args"]).target.sink_port == SINK_PORT
+    assert chart_config(app).target.sink_port == SINK_PORT
 
 
 def test_serve_from_narrows_the_serve_port():
@@ -176,12 +177,15 @@ def test_draft_tls_is_on_by_default_and_reaches_only_targets_and_drafts():
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert not _mounts_tls(head)
+    assert not _mounts_tls(groups(rs).pop("router"))
     for name, group in groups(rs).items():
+        if name == "router":
+            continue
         assert _mounts_tls(group), name
         (volume,) = [v for v in group["template"]["spec"]["volumes"] if "secret" in v]
         assert volume["secret"]["secretName"] == "spec-specserve-draft-tls"
     _, app = serve_app(rs)
-    tls = AppConfig.from_dict(app["args"]).grpc_tls
+    tls = chart_config(app).grpc_tls
     assert (tls.ca_file, tls.cert_file, tls.key_file, tls.server_name) == (
         f"{TLS_DIR}/ca.crt", f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", "draft-sink")
 
@@ -194,12 +198,12 @@ def test_draft_tls_from_an_existing_secret_and_off():
     (volume,) = [v for v in target["template"]["spec"]["volumes"] if "secret" in v]
     assert volume["secret"]["secretName"] == "sink-cert"
     _, app = serve_app(objs["RayService"])
-    assert AppConfig.from_dict(app["args"]).grpc_tls.server_name == "sink"
+    assert chart_config(app).grpc_tls.server_name == "sink"
 
     objs = render({**gpu_values(), "draftTls": {"enabled": False}})
     assert "Secret/draft-tls" not in objs
     _, app = serve_app(objs["RayService"])
-    assert AppConfig.from_dict(app["args"]).grpc_tls is None
+    assert chart_config(app).grpc_tls is None
     assert not any(_mounts_tls(g) for g in groups(objs["RayService"]).values())
     # Target-only: no stream, no certificates.
     assert "Secret/draft-tls" not in render()
@@ -227,7 +231,7 @@ def test_generated_certificates_carry_mutual_tls_as_specserve_dials(tmp_path):
     for key, data in secret["data"].items():
         (tmp_path / key).write_bytes(base64.b64decode(data))
     _, app = serve_app(render(gpu_values())["RayService"])
-    tls = AppConfig.from_dict(app["args"]).grpc_tls
+    tls = chart_config(app).grpc_tls
     files = TlsFiles(str(tmp_path / "ca.crt"), str(tmp_path / "tls.crt"),
                      str(tmp_path / "tls.key"), tls.server_name)
 
@@ -308,7 +312,7 @@ def test_a_disruption_budget_per_worker_group():
     labels["head"] = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"][
         "labels"]
     pdbs = {k.split("/")[1]: o for k, o in objs.items() if k.startswith("PodDisruptionBudget/")}
-    assert set(pdbs) == {"target", "draft-llama-1b", "draft-llama-8b"}
+    assert set(pdbs) == {"target", "draft-llama-1b", "draft-llama-8b", "router"}
     for name, pdb in pdbs.items():
         validate_core(pdb)
         assert pdb["spec"]["maxUnavailable"] == 1
@@ -337,8 +341,8 @@ def test_workers_have_probes_on_healthz_grace_shm_and_restricted_security():
         spec = group["template"]["spec"]
         assert spec["terminationGracePeriodSeconds"] == 300
         (shm,) = [v for v in spec["volumes"] if v["name"] == "shm"]
-        assert shm["emptyDir"] == {"medium": "Memory",
-                                   "sizeLimit": "32Gi" if name == "target" else "8Gi"}
+        limit = {"target": {"sizeLimit": "32Gi"}, "router": {}}.get(name, {"sizeLimit": "8Gi"})
+        assert shm["emptyDir"] == {"medium": "Memory", **limit}
     # The head keeps KubeRay's probes.
     assert "startupProbe" not in container(head) and "readinessProbe" not in container(head)
     assert head["template"]["spec"]["terminationGracePeriodSeconds"] == 60
@@ -373,8 +377,8 @@ def test_idle_timeouts_per_group_need_autoscaler_v2():
     rs = render(gpu_values())["RayService"]
     check_rayservice(rs)
     assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] == "v2"
-    assert {n: g["idleTimeoutSeconds"] for n, g in groups(rs).items()} == {
-        "target": 1800, "draft-llama-1b": 600, "draft-llama-8b": 600}
+    assert {n: g.get("idleTimeoutSeconds") for n, g in groups(rs).items()} == {
+        "target": 1800, "draft-llama-1b": 600, "draft-llama-8b": 600, "router": None}
     values = gpu_values()
     values["autoscaler"] = {"version": None}
     with pytest.raises(helm.HelmError, match="idleTimeoutSeconds needs KubeRay's autoscaler v2"):
@@ -387,8 +391,9 @@ def test_the_head_pulls_the_cpu_image_and_the_example_is_not_public():
     rs = objs["RayService"]
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert container(head)["image"] == "registry.example.com/specserve:0.1.0-cpu"
-    for group in groups(rs).values():
-        assert container(group)["image"] == "registry.example.com/specserve:0.1.0-gpu"
+    for name, group in groups(rs).items():  # the router's pods hold no GPU either
+        flavor = "cpu" if name == "router" else "gpu"
+        assert container(group)["image"] == f"registry.example.com/specserve:0.1.0-{flavor}"
     # An explicit tag is every pod's image.
     rs = render({**gpu_values(), "image": {"repository": "r/s", "tag": "x"}})["RayService"]
     assert container(rs["spec"]["rayClusterConfig"]["headGroupSpec"])["image"] == "r/s:x"

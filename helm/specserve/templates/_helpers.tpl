@@ -78,19 +78,106 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $any }}true{{ end -}}
 {{- end -}}
 
-{{/* The Serve config (serveConfigV2): the specserve values are AppConfig,
-     passed as the args of the one builder. */}}
+{{/* The Serve config (serveConfigV2), as deployments.app.serve_app writes
+     it: the specserve values (AppConfig) split in two (specserve.config.live).
+     The code part is the builder's `args`, which Ray hashes into the code
+     version of every deployment: models, TP, engine and resource settings,
+     with K held at the engine's ceiling (max_speculative_tokens, or K).
+     The live part (K, k_control, quotas, replica bounds) is the router's and
+     the target's `user_config`, which Serve hands to the running replicas'
+     `reconfigure`; the bounds and the target's queue limit are also deployment
+     options, which Serve applies without new replicas. So a change of a live
+     setting restarts no engine. serve-defaults.json (`make helm-schema`)
+     holds the defaults the split needs. */}}
 {{- define "specserve.serveConfig" -}}
-{{- $http := .Values.specserve.http | default dict -}}
-http_options:
-  host: {{ $http.host | default "0.0.0.0" | quote }}
-  port: {{ $http.port | default 8000 | int }}
-applications:
-  - name: specserve
-    route_prefix: /
-    import_path: deployments.app:app_from_args
-    args:
-      {{- toYaml (include "specserve.appConfig" . | fromYaml) | nindent 6 }}
+{{- $app := include "specserve.appConfig" . | fromYaml -}}
+{{- $d := .Files.Get "serve-defaults.json" | fromJson -}}
+{{- $http := $app.http | default dict -}}
+{{- $spec := deepCopy ($app.speculation | default dict) -}}
+{{- $k := $d.num_speculative_tokens -}}
+{{- if not (kindIs "invalid" $spec.num_speculative_tokens) }}{{ $k = $spec.num_speculative_tokens }}{{ end -}}
+{{- $ceiling := $k -}}
+{{- if not (kindIs "invalid" $spec.max_speculative_tokens) }}{{ $ceiling = $spec.max_speculative_tokens }}{{ end -}}
+{{- $t := deepCopy ($app.target | default dict) -}}
+{{- $router := deepCopy ($app.router | default dict) -}}
+{{- $poolBounds := dict -}}
+{{- $codeDrafts := list -}}
+{{- range $app.drafts | default list -}}
+{{- $_ := set $poolBounds .name (.replicas | default dict) -}}
+{{- $c := deepCopy . -}}{{- $_ := unset $c "replicas" -}}
+{{- $codeDrafts = append $codeDrafts $c -}}
+{{- end -}}
+{{- $quotas := $app.quotas | default dict -}}
+{{- $live := dict "speculation" (dict "num_speculative_tokens" $k "k_control" ($spec.k_control | default dict))
+    "quotas" $quotas "replicas" (dict "target" ($t.replicas | default dict) "router" ($router.replicas | default dict) "drafts" $poolBounds) -}}
+{{- /* The code part: the live settings out, K at the ceiling. */ -}}
+{{- $code := deepCopy $app -}}
+{{- $_ := set $spec "num_speculative_tokens" $ceiling -}}
+{{- $_ := set $spec "max_speculative_tokens" $ceiling -}}
+{{- $_ := unset $spec "k_control" -}}
+{{- $_ := set $code "speculation" $spec -}}
+{{- $_ := unset $code "quotas" -}}
+{{- $_ := unset $t "replicas" -}}
+{{- $_ := set $code "target" $t -}}
+{{- $_ := unset $router "replicas" -}}
+{{- $_ := set $code "router" $router -}}
+{{- if hasKey $code "drafts" }}{{ $_ := set $code "drafts" $codeDrafts }}{{ end -}}
+{{- /* The deployments' options (deployments.app.serve_app). */ -}}
+{{- $queue := $d.max_queued_requests -}}
+{{- if hasKey $quotas "max_queued_requests" }}{{ $queue = $quotas.max_queued_requests }}{{ end -}}
+{{- if kindIs "invalid" $queue }}{{ $queue = -1 }}{{ end -}}
+{{- $target := dict "name" "target" "user_config" $live "max_queued_requests" (int $queue) -}}
+{{- range $key, $v := include "specserve.scaling" (dict "replicas" ($app.target | default dict).replicas "pool" "target" "defaults" $d) | fromJson }}{{ $_ := set $target $key $v }}{{ end -}}
+{{- $routerOptions := dict "name" "router" "user_config" $live -}}
+{{- $ongoing := $router.target_ongoing_requests | default $d.router_target_ongoing_requests -}}
+{{- range $key, $v := include "specserve.scaling" (dict "replicas" ($app.router | default dict).replicas "pool" "router" "defaults" $d "ongoing" $ongoing) | fromJson }}{{ $_ := set $routerOptions $key $v }}{{ end -}}
+{{- $deployments := list $routerOptions $target -}}
+{{- range $app.drafts | default list -}}
+{{- $one := dict "name" (printf "draft-%s" .name) -}}
+{{- range $key, $v := include "specserve.scaling" (dict "replicas" .replicas "pool" "draft" "defaults" $d) | fromJson }}{{ $_ := set $one $key $v }}{{ end -}}
+{{- $deployments = append $deployments $one -}}
+{{- end -}}
+{{- toYaml (dict
+    "http_options" (dict "host" ($http.host | default "0.0.0.0") "port" ($http.port | default 8000 | int))
+    "applications" (list (dict "name" $d.app.name "route_prefix" "/" "import_path" $d.app.import_path
+                               "args" $code "deployments" $deployments))) -}}
+{{- end -}}
+
+{{/* A mapping with `defaults` for the keys it lacks or holds null, as JSON:
+     (list $given $defaults). 0 and false are kept (sprig's merge would
+     replace them). */}}
+{{- define "specserve.withDefaults" -}}
+{{- $out := deepCopy (index . 0 | default dict) -}}
+{{- range $key, $v := index . 1 -}}
+{{- if or (not (hasKey $out $key)) (kindIs "invalid" (get $out $key)) }}{{ $_ := set $out $key $v }}{{ end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* A pool's Serve replica options as JSON, as deployments.app._scaling:
+     fixed replicas, or autoscaling with specserve's policy of the pool:
+     (dict "replicas" $boundsOrNil "pool" "target" "defaults" $serveDefaults);
+     the router ("pool" "router" "ongoing" N) autoscales with Serve's own policy. */}}
+{{- define "specserve.scaling" -}}
+{{- $d := .defaults -}}
+{{- $r := include "specserve.withDefaults" (list .replicas $d.replicas) | fromJson -}}
+{{- if eq (int $r.min_replicas) (int $r.max_replicas) -}}
+{{- toJson (dict "num_replicas" (int $r.max_replicas) "autoscaling_config" nil) -}}
+{{- else if eq .pool "router" -}}
+{{- /* Serve's own request-based policy (deployments.app._router_scaling). */ -}}
+{{- toJson (dict "num_replicas" nil "autoscaling_config" (dict
+    "min_replicas" (int $r.min_replicas) "max_replicas" (int $r.max_replicas)
+    "initial_replicas" $r.initial_replicas
+    "upscale_delay_s" $r.upscale_delay_s "downscale_delay_s" $r.downscale_delay_s
+    "target_ongoing_requests" .ongoing)) -}}
+{{- else -}}
+{{- toJson (dict "num_replicas" nil "autoscaling_config" (dict
+    "min_replicas" (int $r.min_replicas) "max_replicas" (int $r.max_replicas)
+    "initial_replicas" $r.initial_replicas
+    "upscale_delay_s" $r.upscale_delay_s "downscale_delay_s" $r.downscale_delay_s
+    "look_back_period_s" $d.look_back_period_s
+    "policy" (dict "policy_function" (get $d.policies .pool)))) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The Secret holding the API key ("" without one). */}}
@@ -104,11 +191,38 @@ applications:
 
 {{- define "specserve.apiKeyEnv" -}}SPECSERVE_API_KEY{{- end -}}
 
+{{/* The Ray resource router replicas ask for (specserve.router.ray_resource):
+     only the router group's pods advertise it, or the head without that group;
+     only those pods get the API and metrics keys. */}}
+{{- define "specserve.routerResource" -}}specserve_router{{- end -}}
+
+{{/* What a router-hosting pod advertises: routers per pod (the head: any number). */}}
+{{- define "specserve.routerResources" -}}
+{{- toJson (dict (include "specserve.routerResource" .ctx) (.perPod | default 1000 | int)) -}}
+{{- end -}}
+
+{{/* The Secret holding the /metrics scrape key ("" without one). */}}
+{{- define "specserve.metricsKeySecret" -}}
+{{- if .Values.metricsKey.existingSecret -}}
+{{- .Values.metricsKey.existingSecret -}}
+{{- else if .Values.metricsKey.value -}}
+{{- printf "%s-metrics-key" (include "specserve.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.metricsKeyEnv" -}}SPECSERVE_METRICS_KEY{{- end -}}
+
 {{/* values.specserve as the app's args: with an API key Secret, the router
      reads the key from SPECSERVE_API_KEY (http.api_key_env); a plain-text
      http.api_key is refused, as it would be readable in the RayService. */}}
 {{- define "specserve.appConfig" -}}
 {{- $app := deepCopy .Values.specserve -}}
+{{- $router := $app.router | default dict -}}
+{{- if $router.ray_resource -}}
+{{- fail "specserve.router.ray_resource is the chart's to set (it pins the router to the router group's pods or the head); remove it" -}}
+{{- end -}}
+{{- $_ := set $router "ray_resource" (include "specserve.routerResource" .) -}}
+{{- $_ := set $app "router" $router -}}
 {{- $http := $app.http | default dict -}}
 {{- if $http.api_key -}}
 {{- fail "specserve.http.api_key would be written in plain text into the RayService's serveConfigV2; put the key in a Secret: set apiKey.existingSecret (or apiKey.value) instead" -}}
@@ -116,6 +230,10 @@ applications:
 {{- if include "specserve.apiKeySecret" . -}}
 {{- $_ := set $http "api_key_env" (include "specserve.apiKeyEnv" .) -}}
 {{- $_ := unset $http "api_key" -}}
+{{- $_ := set $app "http" $http -}}
+{{- end -}}
+{{- if include "specserve.metricsKeySecret" . -}}
+{{- $_ := set $http "metrics_key_env" (include "specserve.metricsKeyEnv" .) -}}
 {{- $_ := set $app "http" $http -}}
 {{- end -}}
 {{- if include "specserve.draftTlsSecret" . -}}
@@ -207,12 +325,13 @@ applications:
 {{- end -}}
 
 {{/* One Ray container: (dict "ctx" $ "name" "ray-worker" "group" $values "gpus" N "head" bool
-     "drafting" bool): drafting containers (targets and drafts) mount the draft stream's certificates. */}}
+     "drafting" bool "router" bool "cpu" bool): cpu: the CPU image; drafting containers (targets and drafts) mount the draft
+     stream's certificates; router containers (where router replicas run) get the keys. */}}
 {{- define "specserve.container" -}}
 {{- $ := .ctx -}}
 {{- $g := .group -}}
 - name: {{ .name }}
-  image: {{ $g.image | default (include "specserve.image" (dict "ctx" $ "head" .head)) }}
+  image: {{ $g.image | default (include "specserve.image" (dict "ctx" $ "head" (or .head .cpu))) }}
   imagePullPolicy: {{ $.Values.image.pullPolicy }}
   {{- $res := deepCopy ($g.resources | default dict) }}
   {{- if gt (int .gpus) 0 }}
@@ -233,7 +352,7 @@ applications:
     - name: serve
       containerPort: {{ include "specserve.servePort" $ }}
     - {name: metrics, containerPort: {{ $.Values.rayPorts.metricsExport | int }}}
-  {{- $secret := include "specserve.apiKeySecret" $ }}
+  {{- $secret := and .router (include "specserve.apiKeySecret" $) }}
   env:
     # Ray would start its workers (the Serve replicas and their vLLM engines) at
     # nice 15, under every other process in the pod (specserve.placement.RAY_NODE_ENV).
@@ -242,10 +361,17 @@ applications:
     {{- toYaml . | nindent 4 }}
     {{- end }}
     {{- if $secret }}
-    # The router (on any pod) reads the API key from here (http.api_key_env).
+    # The router (only on pods that advertise specserve.routerResource) reads
+    # the API key from here (http.api_key_env).
     - name: {{ include "specserve.apiKeyEnv" $ }}
       valueFrom:
         secretKeyRef: {name: {{ $secret }}, key: {{ $.Values.apiKey.secretKey }}}
+    {{- end }}
+    {{- with and .router (include "specserve.metricsKeySecret" $) }}
+    # ... and the /metrics scrape key (http.metrics_key_env).
+    - name: {{ include "specserve.metricsKeyEnv" $ }}
+      valueFrom:
+        secretKeyRef: {name: {{ . }}, key: {{ $.Values.metricsKey.secretKey }}}
     {{- end }}
   {{- with $g.envFrom }}
   envFrom:
@@ -339,12 +465,12 @@ volumes:
 {{/* A group's rayStartParams with the accelerator types its pools ask for
      advertised as Ray resources (accelerator_type:<T>), so KubeRay's
      autoscaler knows which group to grow for a bundle that asks for one:
-     (dict "ctx" $ "params" $groupParams "types" (list "H100")). Ray's fixed ports
-     (rayPorts) are added; explicit params win. */}}
+     (dict "ctx" $ "params" $groupParams "types" (list "H100") ["resources" $moreResources]).
+     Ray's fixed ports (rayPorts) are added; explicit params win. */}}
 {{- define "specserve.groupStartParams" -}}
 {{- $p := merge (deepCopy (.params | default dict)) (include "specserve.rayPortParams" .ctx | fromJson) -}}
-{{- if and .types (not (hasKey $p "resources")) -}}
-{{- $res := dict -}}
+{{- if and (or .types .resources) (not (hasKey $p "resources")) -}}
+{{- $res := deepCopy (.resources | default dict) -}}
 {{- range .types }}{{ $_ := set $res (printf "accelerator_type:%s" .) 1 }}{{ end -}}
 {{- $_ := set $p "resources" (printf "%q" (toJson $res)) -}}
 {{- end -}}
