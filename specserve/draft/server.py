@@ -72,10 +72,15 @@ async def serve(args) -> None:
     try:
         plan = BranchPlan(args.branch_fan_out, args.branch_budget, args.branch_len,
                           args.branch_positions or None)
+        suffix = None
+        if args.suffix:
+            from specserve.config import SuffixConfig
+
+            suffix = SuffixConfig.model_validate_json(args.suffix)
         worker = DraftWorker.start(args.model, settings, tls=tls, replay_path=args.replay,
                                    vocab_size=args.vocab_size, branches=plan,
-                                   name=args.name or args.model)
-    except ValueError as e:
+                                   name=args.name or args.model, suffix=suffix)
+    except ValueError as e:  # a bad --suffix too (pydantic errors are ValueErrors)
         raise SystemExit(f"draft: {e}") from None
     server = grpc.aio.server()
     spec_pb2_grpc.add_DrafterServicer_to_server(DrafterService(worker.runner), server)
@@ -94,7 +99,10 @@ async def serve(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m specserve.draft.server")
     p.add_argument("--model", required=True,
-                   help="draft model folder, or synthetic:A[@Dms] (see specserve.draft.synthetic)")
+                   help="draft model folder, synthetic:A[@Dms] (see specserve.draft.synthetic) "
+                        "or suffix (no model: specserve.draft.suffix)")
+    p.add_argument("--suffix", default=None,
+                   help="suffix only: its SuffixConfig as JSON (default: the config's defaults)")
     p.add_argument("--replay", default=None,
                    help="synthetic only: JSON lines of the target's greedy outputs to replay")
     p.add_argument("--vocab-size", type=int, default=None,
