@@ -12,8 +12,12 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
 - vllm_draft_model    vLLM's own co-located speculative decoding
                       (speculative_config method "draft_model", same K), on the
                       target's core(s); greedy only (see below);
+- vllm_ngram          vLLM's own prompt lookup inside the engine (speculative_config
+                      method "ngram", same K): drafts that need no model, co-located;
 - specserve           a draft process streaming over gRPC to the target
                       (LocalSpec), with adaptive K (specserve/control/controller.py);
+- specserve_suffix    the suffix draft (no model: specserve/draft/suffix.py) over the
+                      same path, fixed K;
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
 - vllm_serve          vLLM's own OpenAI server on the target alone, same

@@ -11,8 +11,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-SYSTEMS = ("target_only", "specserve_k0", "vllm_draft_model", "specserve", "specserve_synthetic",
-           "vllm_serve", "specserve_http")
+SYSTEMS = ("target_only", "specserve_k0", "vllm_draft_model", "vllm_ngram", "specserve",
+           "specserve_suffix", "specserve_synthetic", "vllm_serve", "specserve_http")
 SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
 
 
