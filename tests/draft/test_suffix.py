@@ -135,3 +135,18 @@ def test_config_kind_suffix():
     with pytest.raises(ConfigError, match="suffix"):
         AppConfig.from_dict({"drafts": [{"name": "m", "kind": "suffix",
                                          "suffix": {"max_tokens": 0}}]})
+
+
+def test_the_serve_draft_replica_runs_a_suffix_pool_without_an_engine():
+    """deployments/draft.py's DraftServer (a plain class) with kind: suffix."""
+    from deployments.draft import DraftServer
+
+    server = DraftServer({"name": "memory", "kind": "suffix", "suffix": {"share": False}},
+                         speculation={"num_speculative_tokens": 4})
+    try:
+        assert server.worker.engine is None
+        model = server.runner.model
+        assert isinstance(model, SuffixDraftModel) and model.fleet is None
+        assert server.runner.plan is not None  # branches from the memory's alternatives
+    finally:
+        asyncio.run(server.worker.close())
