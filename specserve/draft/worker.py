@@ -2,9 +2,9 @@
 
 Owns starting and stopping what every draft replica runs, whoever drives it: a
 draft model (a vLLM engine for a model folder, the synthetic replay for
-`synthetic:A[@Dms]`, or the suffix memory for `suffix`) and its `DraftRunner`, which streams drafts to target
-sinks. Serve's draft replica (`deployments/draft.py`, driven by Ray streaming
-calls) and the stand-alone draft process (`specserve/draft/server.py`, driven by
+`synthetic:A[@Dms]`, or the suffix memory for `suffix`) and its `DraftRunner`,
+which streams drafts to target sinks. Serve's draft replica
+(`deployments/draft.py`, driven by Ray streaming calls) and the stand-alone draft process (`specserve/draft/server.py`, driven by
 the gRPC Drafter service that `specserve generate` uses) both start one with
 `DraftWorker.start`. It never talks HTTP and never decides output.
 """
@@ -35,8 +35,8 @@ class DraftWorker:
         """model: a draft model folder, 'default' (the shipped distilled draft),
         synthetic:A[@Dms][,hH] (needs replay_path and vocab_size: the target's greedy
         outputs and vocabulary), or 'suffix' (no model: a suffix memory set by
-        `suffix`, a SuffixConfig; None: its defaults). tls: mutual TLS to the sinks (TlsFiles). cpus:
-        OpenMP core list of a CPU engine (unless the environment sets one).
+        `suffix`, a SuffixConfig; None: its defaults). tls: mutual TLS to the
+        sinks (TlsFiles). cpus: OpenMP core list of a CPU engine (unless the environment sets one).
         branches: pre-draft alternatives (BranchPlan; None: none). name:
         "model/replica", how the target sinks' figures name this draft."""
         from specserve.draft import suffix as suffix_draft
