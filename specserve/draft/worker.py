@@ -4,9 +4,9 @@ Owns starting and stopping what every draft replica runs, whoever drives it: a
 draft model (a vLLM engine for a model folder, the synthetic replay for
 `synthetic:A[@Dms]`, or the suffix memory for `suffix`) and its `DraftRunner`,
 which streams drafts to target sinks. Serve's draft replica
-(`deployments/draft.py`, driven by Ray streaming calls) and the stand-alone draft process (`specserve/draft/server.py`, driven by
-the gRPC Drafter service that `specserve generate` uses) both start one with
-`DraftWorker.start`. It never talks HTTP and never decides output.
+(`deployments/draft.py`, driven by Ray streaming calls) and the stand-alone
+draft process (`specserve/draft/server.py`, driven by the gRPC Drafter service
+that `specserve generate` uses) both start one with `DraftWorker.start`. It never talks HTTP and never decides output.
 """
 
 from __future__ import annotations
