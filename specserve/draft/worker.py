@@ -6,7 +6,8 @@ draft model (a vLLM engine for a model folder, the synthetic replay for
 which streams drafts to target sinks. Serve's draft replica
 (`deployments/draft.py`, driven by Ray streaming calls) and the stand-alone
 draft process (`specserve/draft/server.py`, driven by the gRPC Drafter service
-that `specserve generate` uses) both start one with `DraftWorker.start`. It never talks HTTP and never decides output.
+that `specserve generate` uses) both start one with `DraftWorker.start`. It
+never talks HTTP and never decides output.
 """
 
 from __future__ import annotations
