@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: image-cpu image-gpu prometheus install test test-cluster test-fast soak serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
+.PHONY: image-cpu image-gpu prometheus install test test-cluster test-fast soak test-suffix-serve serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
 
 install: $(STAMP)
 
@@ -58,6 +58,11 @@ prometheus:
 # Pure-logic tests only (seconds): no engines, no processes.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# A suffix draft pool (no model) in the Serve app: greedy equals target-only
+# and its drafts are accepted (a Serve app of its own, ~2 min; not in `make test`).
+test-suffix-serve: install
+	SPECSERVE_SERVE_SUFFIX=1 $(PY) -m pytest -q -ra tests/deployments/test_serve_suffix.py $(PYTEST_ARGS)
 
 # The long soak: 16 streaming clients for 2 minutes against a Serve app on
 # loopback; prints each process's memory at start and end (`make test` runs a

@@ -37,9 +37,9 @@ class DraftServer:
         # continued as batched engine requests (cheap on an accelerator).
         plan = BranchPlan(spec.branch_fan_out, spec.branch_alternatives(), spec.branch_tokens(),
                           positions=spec.num_speculative_tokens + 1)
-        self.worker = DraftWorker.start(self.config.model, settings_from(self.config.engine),
+        self.worker = DraftWorker.start(self.config.draft_spec, settings_from(self.config.engine),
                                         tls=TlsFiles.from_config(grpc_tls), cpus=draft_cpus,
-                                        branches=plan,
+                                        branches=plan, suffix=self.config.suffix,
                                         name=f"{self.config.name}/{replica_name()}")
         self.runner = self.worker.runner
 

@@ -1,4 +1,4 @@
-"""`specserve generate` end to end: draft process -> gRPC -> vLLM target.
+"""`specserve generate` end to end: draft worker -> gRPC -> vLLM target.
 
 The invariant under test: greedy output equals Hugging Face transformers'
 target-only greedy output, token for token, whatever the draft is.
@@ -75,3 +75,14 @@ def test_target_tensor_parallel_2(tiny_models, reference):
                           "--target-tp", "2", env=SLOW_TARGET)
     check_outputs(result, reference)
     assert result["stats"]["draft_tokens"] > 0
+
+
+def test_suffix_draft(tiny_models, reference):
+    """A draft with no model (`--draft suffix`): it drafts from the prompts and
+    the verified output so far (a tiny random model's greedy output loops, so
+    it repeats itself); output stays the target's, and some drafts are accepted."""
+    result = run_generate(tiny_models["target"], "suffix", env=SLOW_TARGET)
+    check_outputs(result, reference)
+    s = result["stats"]
+    check_stats_shape(s)
+    assert 0 < s["accepted_tokens"] <= s["draft_tokens"], s

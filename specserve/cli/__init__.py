@@ -3,7 +3,7 @@
 Owns dispatching a command and the edge's contract: bad input is a one-line
 error and exit code 2, before any engine starts. Commands:
 
-  specserve generate         prompts through a local draft process + target (cli/generate.py)
+  specserve generate         prompts through a local draft worker + target (cli/generate.py)
   specserve serve            the Ray Serve app with the OpenAI API (cli/serve.py)
   specserve bench            target-only, vLLM's draft_model and specserve side by side
   specserve bench dataplane  the draft -> target data plane alone (no model; tools/bench/dataplane.py)

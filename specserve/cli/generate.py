@@ -1,4 +1,4 @@
-"""`specserve generate`: prompts through a local draft process and target engine.
+"""`specserve generate`: prompts through a local draft worker and target engine.
 
 Owns the command's checks (models, tokenizers, K and W, TLS files, TP against
 the cores here, prompts against the context) and printing the result: one JSON
@@ -20,9 +20,11 @@ def check_generate(args) -> tuple[str, str | None, int]:
 
     target = (model_dir(args.target, "target") if args.target
               else str(ensure_default_model()))
-    from specserve.draft import synthetic
+    from specserve.draft import suffix, synthetic
 
-    if synthetic.is_synthetic(args.draft):
+    if suffix.is_suffix(args.draft):
+        draft = suffix.NAME
+    elif synthetic.is_synthetic(args.draft):
         try:
             draft = str(synthetic.parse(args.draft))
         except ValueError as e:
@@ -31,7 +33,7 @@ def check_generate(args) -> tuple[str, str | None, int]:
         draft = None if args.draft.lower() == "none" else draft_dir(args.draft)
     k = args.num_speculative_tokens
     lookahead = lookahead_tokens(k, args.lookahead)
-    if draft is not None and not synthetic.is_synthetic(draft):
+    if draft is not None and not synthetic.is_synthetic(draft) and not suffix.is_suffix(draft):
         problem = tokenizers_compatible(target, draft)
         if problem:
             raise UsageError(problem)

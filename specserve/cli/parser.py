@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="target model folder (default: the default model)")
     g.add_argument("--draft", default="none",
                    help="draft model folder, 'default' for the shipped draft of the default "
-                   "model, 'none' for target-only (default: none), or synthetic:A[@Dms]: "
-                   "the target's own greedy output with each token corrupted with "
-                   "probability 1-A (and D ms per drafted token)")
+                   "model, 'none' for target-only (default: none), 'suffix' for a draft "
+                   "with no model (a suffix memory of the prompts and outputs), or "
+                   "synthetic:A[@Dms]: the target's own greedy output with each token "
+                   "corrupted with probability 1-A (and D ms per drafted token)")
     g.add_argument("--prompt", action="append", required=True,
                    help="raw prompt text (repeat for several prompts; all run concurrently)")
     g.add_argument("--max-tokens", type=positive_int("max-tokens"), default=64)

@@ -91,7 +91,8 @@ def serve_config(args):
         finally:
             vllm_log.setLevel(level)
     for d in cfg.drafts:
-        draft_dir(d.model)
+        if d.kind == "model":  # a suffix pool has no model folder
+            draft_dir(d.model)
     return cfg, tokenizers_compatible
 
 
@@ -121,7 +122,7 @@ def check_contexts(cfg, target_dir: str) -> None:
 
     engines = [("target", cfg.target.engine.max_model_len, target_dir)]
     engines += [(f"drafts[{i}] ({d.name})", d.engine.max_model_len, draft_dir(d.model))
-                for i, d in enumerate(cfg.drafts)]
+                for i, d in enumerate(cfg.drafts) if d.kind == "model"]
     for where, max_len, folder in engines:
         problem = context_problem(where, max_len, folder, context_length(folder))
         if problem:
@@ -183,6 +184,8 @@ def checked_config(args):
     cfg, tokenizers_compatible = serve_config(args)
     target_dir = cfg.target.model or str(ensure_default_model())
     for d in cfg.drafts:
+        if d.kind != "model":
+            continue
         problem = tokenizers_compatible(target_dir, draft_dir(d.model))
         if problem:
             raise UsageError(f"draft {d.name}: {problem}")

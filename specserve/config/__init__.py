@@ -6,6 +6,7 @@
 - `speculation`: K, W, branches, the bounded wait, the K controller's thresholds
   (`kcontrol`), the W > K rule;
 - `quotas`: per-request limits, the target queue, the request timeout;
+- `suffix`: the suffix draft pool's memory bounds and drafting rule;
 - `http`: the HTTP ingress (listen address, API keys, body size);
 - `naming`: the draft pool name rule and names made from model folders;
 - `fit`: what the deployments ask of a local cluster, checked before Ray starts.
@@ -34,10 +35,11 @@ from specserve.config.schema import (
     Resources,
     TargetConfig,
 )
+from specserve.config.suffix import SuffixConfig
 
 __all__ = [
     "DEFAULT_CONFIG_PATH", "DRAFT_NAME_MAX_LEN", "DRAFT_NAME_RE", "MAX_SPECULATIVE_TOKENS",
     "MODEL_BOUND_ENGINE_KEYS", "AppConfig", "Autoscaling", "ConfigError", "DraftConfig",
     "EngineConfig", "GrpcTlsConfig", "HttpConfig", "QuotaConfig", "RayConfig", "Resources",
-    "SpeculationConfig", "TargetConfig", "lookahead_problem", "lookahead_tokens",
+    "SpeculationConfig", "SuffixConfig", "TargetConfig", "lookahead_problem", "lookahead_tokens",
 ]

@@ -33,6 +33,7 @@ from specserve.config.http import HttpConfig
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
 from specserve.config.quotas import QuotaConfig
 from specserve.config.speculation import SpeculationConfig
+from specserve.config.suffix import SuffixConfig
 from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
 
 # Engine settings that describe one model rather than the machine (its context
@@ -217,17 +218,25 @@ class TargetConfig(_Strict):
 
 
 class DraftConfig(_Strict):
-    """One draft pool: replicas of a small model that stream drafts to targets."""
+    """One draft pool: replicas that stream drafts to targets, each running a small
+    model (kind model) or a suffix memory and no model (kind suffix)."""
 
     name: str = Field(
         ...,
         description="Unique name of the pool: lowercase letters, digits and '-', at most "
                     f"{DRAFT_NAME_MAX_LEN} characters; suffix of its Serve deployment name.")
-    model: str = Field(
-        ..., description="Hugging Face model folder of the draft; it must use the target's "
-                         "tokenizer (checked where the models are). 'default': the draft "
-                         "distilled from the default model that ships with specserve, "
-                         "assembled into the local cache on first use.")
+    kind: Literal["model", "suffix"] = Field(
+        "model", description="model: replicas run a draft model (vLLM). suffix: replicas run "
+                             "no model and draft from the tokens earlier requests and this "
+                             "one continued with (SuffixDecoding; settings in suffix).")
+    model: str | None = Field(
+        None, description="Hugging Face model folder of the draft (kind model, required "
+                          "there); it must use the target's tokenizer (checked where the "
+                          "models are). 'default': the draft distilled from the default "
+                          "model that ships with specserve, assembled into the local cache on "
+                          "first use. Null with kind suffix.")
+    suffix: SuffixConfig = Field(
+        default_factory=SuffixConfig, description="The suffix memory (kind suffix only).")
     replicas: Autoscaling = Field(
         default_factory=Autoscaling, description="Replica count bounds of this draft pool.")
     resources: Resources = Field(
@@ -249,9 +258,24 @@ class DraftConfig(_Strict):
     @field_validator("model")
     @classmethod
     def _model_not_empty(cls, v):
-        if not v.strip():
+        if v is not None and not v.strip():
             raise ValueError("model must be a model folder path, got an empty string")
         return v
+
+    @model_validator(mode="after")
+    def _kind_fits(self):
+        if self.kind == "model" and self.model is None:
+            raise ValueError("model: a draft pool of kind model needs a model folder (or "
+                             "'default'); set kind: suffix for a pool without a model")
+        if self.kind == "suffix" and self.model is not None:
+            raise ValueError(f"model: a suffix pool runs no model, got {self.model!r}; "
+                             "remove model or set kind: model")
+        return self
+
+    @property
+    def draft_spec(self) -> str:
+        """What DraftWorker.start takes: the model folder, or 'suffix'."""
+        return "suffix" if self.kind == "suffix" else self.model
 
 
 class RayConfig(_Strict):

@@ -1,1 +1,1 @@
-"""The draft side: the draft worker, the runner that speculates ahead and rolls back, its link to target sinks, the synthetic draft, the stand-alone draft process."""
+"""The draft side: the draft worker, the runner that speculates ahead and rolls back, its link to target sinks, the synthetic and suffix drafts."""

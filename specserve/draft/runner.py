@@ -255,6 +255,8 @@ class DraftRunner:
         self.plan = branches if branches is not None and branches.active \
             and hasattr(model, "branches") else None
         self.stats = DraftStats()
+        # A model that learns from the target's verified tokens (the suffix draft).
+        self._observe = getattr(model, "observe", None)
         self._requests: dict[str, _Request] = {}
         self._released: set[str] = set()  # given up, until the caller cancels them
         self._links: dict[str, SinkLink] = {}
@@ -373,6 +375,8 @@ class DraftRunner:
         self._timeliness.append((len(req.tokens) > end, max(end - len(req.tokens), 0)))
         old = len(req.verified)
         req.verified[position:] = tokens
+        if self._observe is not None:
+            self._observe(rid, req.verified)
         ours = req.tokens[old:min(end, len(req.tokens))]
         agreed = next((i for i, t in enumerate(ours) if t != req.verified[old + i]), None)
         self.stats.agreed_tokens += len(ours) if agreed is None else agreed

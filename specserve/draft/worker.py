@@ -1,8 +1,8 @@
 """The one draft worker: a draft model, the runner that speculates with it, and its entry point.
 
 Owns starting and stopping what every draft replica runs, whoever hosts it: a
-draft model (a vLLM engine for a model folder, or the synthetic replay for
-`synthetic:A[@Dms]`) and its `DraftRunner`, which streams drafts to target
+draft model (a vLLM engine for a model folder, the synthetic replay for
+`synthetic:A[@Dms]`, or the suffix memory for `suffix`) and its `DraftRunner`, which streams drafts to target
 sinks; and `DraftWorker.draft`, the one way a target asks for drafts: a stream
 that drafts for one registered request for as long as the caller follows it.
 Serve's draft replica (`deployments/draft.py`) exposes it as a Ray streaming
@@ -34,23 +34,33 @@ SINK_LOST_S = 30.0
 @dataclasses.dataclass
 class DraftWorker:
     runner: DraftRunner
-    engine: object | None  # the vLLM engine (None for the synthetic draft)
+    engine: object | None  # the vLLM engine (None for the synthetic and suffix drafts)
     procs: list
 
     @classmethod
     def start(cls, model: str, settings: EngineSettings, *, tls=None, cpus: str | None = None,
               replay_path: str | None = None, vocab_size: int | None = None,
-              branches: BranchPlan | None = None, name: str = "") -> "DraftWorker":
-        """model: a draft model folder, 'default' (the shipped distilled draft), or
+              branches: BranchPlan | None = None, name: str = "",
+              suffix=None) -> "DraftWorker":
+        """model: a draft model folder, 'default' (the shipped distilled draft),
         synthetic:A[@Dms][,hH] (needs replay_path and vocab_size: the target's greedy
-        outputs and vocabulary). tls: mutual TLS to the sinks (TlsFiles). cpus:
-        OpenMP core list of a CPU engine (unless the environment sets one).
+        outputs and vocabulary), or 'suffix' (no model: a suffix memory set by
+        `suffix`, a SuffixConfig; None: its defaults). tls: mutual TLS to the
+        sinks (TlsFiles). cpus: OpenMP core list of a CPU engine (unless the environment sets one).
         branches: pre-draft alternatives (BranchPlan; None: none). name:
         "model/replica", how the target sinks' figures name this draft."""
+        from specserve.draft import suffix as suffix_draft
         from specserve.draft import synthetic
 
         if tls is not None:
             tls.read()  # a missing file fails here, with its path
+        if suffix_draft.is_suffix(model):
+            fan = branches.fan_out if branches is not None and branches.active else 0
+            draft_model = suffix_draft.SuffixDraftModel(
+                suffix, max_model_len=settings.max_model_len or (1 << 30),
+                vocab_size=vocab_size, fan_out=fan)
+            log.info("suffix draft: %s", draft_model.config)
+            return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
         if synthetic.is_synthetic(model):
             if replay_path is None or vocab_size is None:
                 raise ValueError("a synthetic draft needs the target's recorded outputs "

@@ -5,7 +5,7 @@
   real requests' rows, with branches that the target takes and that continue
   with garbage, floods of branches past the bounds and at unknown positions,
   and the bounded wait on) changes no output token and crashes nothing.
-- Killing the draft process mid-generation: requests complete, same output.
+- Killing the draft's engine processes mid-generation: requests complete, same output.
 """
 
 import asyncio

@@ -1,7 +1,7 @@
 """`specserve bench`: its pure parts alone, then one real run on the tiny pair.
 
 The real run starts every system (target-only, vLLM's draft_model, specserve
-with a draft process, the synthetic draft, the Ray Serve app over HTTP) at
+with the draft worker, the synthetic draft, the Ray Serve app over HTTP) at
 concurrency 1 and 2 on a few short prompts, and checks the JSON (documented
 keys and types for every row), the Markdown table, the PNG, and that every
 system's greedy output equals target-only's (the bench asserts it itself and
@@ -154,7 +154,7 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
     got = json.loads(out.read_text())
     rows = got["results"]
     systems = {(r["system"], r["concurrency"]) for r in rows}
-    assert systems == {(s, c) for s in workload.SYSTEMS for c in (1, 2)}
+    assert systems == {(s, c) for s in workload.DEFAULT_SYSTEMS for c in (1, 2)}
     for r in rows:
         for key, types in ROW_TYPES.items():
             assert isinstance(r[key], types), (key, r)
@@ -169,7 +169,7 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
     assert {c["category"] for c in got["by_category"]} == set(cats)
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for s in workload.SYSTEMS:
+    for s in workload.DEFAULT_SYSTEMS:
         assert f"| {s} |" in proc.stdout
     assert "[bench" in proc.stderr  # progress went to stderr
     # A run that succeeded says so without a traceback (vLLM's AsyncLLM.__del__

@@ -6,7 +6,8 @@ spec-decode counters, differenced over a level) and `extra()` (figures only
 that system has). Owns starting and stopping each system and timing one
 request; never aggregates (that is `report`) or schedules (that is `run`).
 
-- LocalBackend           target_only, specserve_k0, specserve, specserve_synthetic
+- LocalBackend           target_only, specserve_k0, specserve, specserve_synthetic,
+                         specserve_suffix (the suffix draft, no model)
                          (a LocalSpec);
 - VllmDraftModelBackend  vLLM's co-located speculative_config "draft_model";
 - HttpBackend            the whole Ray Serve app (`specserve serve`) over HTTP.
@@ -135,15 +136,28 @@ class LocalBackend:
 
 
 class VllmDraftModelBackend:
-    """vLLM's co-located draft_model speculative decoding (the draft runs in the
-    target's workers, on the target's cores)."""
+    """vLLM's co-located speculative decoding: draft_model (the draft runs in the
+    target's workers, on the target's cores), or with method "ngram" vLLM's
+    prompt lookup inside the engine (system vllm_ngram)."""
 
     system = "vllm_draft_model"
     alpha = None
 
-    def __init__(self, target: str, draft: str, k: int, settings):
+    def __init__(self, target: str, draft: str | None, k: int, settings,
+                 method: str = "draft_model"):
         self.target, self.draft, self.k, self.settings = target, draft, k, settings
+        self.method = method
+        if method == "ngram":
+            self.system = "vllm_ngram"
         self.started = None
+
+    def speculative_config(self) -> dict:
+        if self.method == "ngram":
+            # vLLM's own defaults for prompt lookup (vllm serve --speculative-config
+            # '{"method": "ngram", "num_speculative_tokens": K}').
+            return {"method": "ngram", "num_speculative_tokens": self.k,
+                    "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+        return {"method": "draft_model", "model": self.draft, "num_speculative_tokens": self.k}
 
     async def start(self):
         from specserve.engine import cpu_binding
@@ -151,8 +165,7 @@ class VllmDraftModelBackend:
 
         self.started = TargetEngine.start(
             self.target, self.settings, cpus=cpu_binding(1)[0],
-            speculative_config={"method": "draft_model", "model": self.draft,
-                                "num_speculative_tokens": self.k})
+            speculative_config=self.speculative_config())
         self.engine, self.totals = self.started.engine, self.started.totals
 
     async def close(self):
@@ -275,6 +288,14 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
             out.append((system, None, lambda: LocalBackend("specserve", LocalSpec(
                 a.target, a.draft, k=a.k, settings=s, adaptive_k=True,
                 speculation=a.speculation()))))
+        elif system == "vllm_ngram":
+            out.append((system, None, lambda: VllmDraftModelBackend(a.target, None, a.k, s,
+                                                                    method="ngram")))
+        elif system == "specserve_suffix":
+            # The suffix draft at a fixed K: it has no model to pay for, and the
+            # K controller's figures are a model draft's (issue 26 item 4).
+            out.append((system, None, lambda: LocalBackend("specserve_suffix", LocalSpec(
+                a.target, "suffix", k=a.k, settings=s, speculation=a.speculation()))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
                 spec = (f"synthetic:{alpha:g}"

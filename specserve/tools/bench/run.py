@@ -12,8 +12,12 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
 - vllm_draft_model    vLLM's own co-located speculative decoding
                       (speculative_config method "draft_model", same K), on the
                       target's core(s); greedy only (see below);
-- specserve           a draft process streaming over gRPC to the target
+- vllm_ngram          vLLM's own prompt lookup inside the engine (speculative_config
+                      method "ngram", same K): drafts that need no model, co-located;
+- specserve           the draft worker streaming over gRPC to the target (LocalSpec)
                       (LocalSpec), with adaptive K (specserve/control/controller.py);
+- specserve_suffix    the suffix draft (no model: specserve/draft/suffix.py) over the
+                      same path, fixed K;
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
 - vllm_serve          vLLM's own OpenAI server on the target alone, same
@@ -50,7 +54,8 @@ from pathlib import Path
 from specserve.tools.bench.backends import RequestResult, build_backends
 from specserve.tools.bench.report import (add_comparisons, add_round_ratios, category_rows,
                                           pool, summarize)
-from specserve.tools.bench.workload import (SAMPLE_PROMPTS, SYSTEMS, BenchArgs, Prompt,
+from specserve.tools.bench.workload import (DEFAULT_SYSTEMS, SAMPLE_PROMPTS, SYSTEMS, BenchArgs,
+                                            Prompt,
                                             parse_prompts, select_prompts)
 
 
@@ -273,7 +278,9 @@ def add_arguments(p, positive_int, temperature) -> None:
     p.add_argument("--branch-fan-out", type=int, choices=range(0, 17), metavar="F",
                    help="F (speculation.branch_fan_out) for every speculative system "
                         "(default: the config's, 3; 0: no branches)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
+                   help="systems to run (default: all but vllm_ngram and specserve_suffix, "
+                        "which run when named, e.g. on the edit workload)")
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
     p.add_argument("--rounds", type=positive_int("rounds"),
