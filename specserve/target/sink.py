@@ -45,6 +45,7 @@ from specserve.acceptance.record import percentile
 from specserve.control import policy
 from specserve.control.stepcost import StepCostFit
 from specserve.target.book import NOT_FOUND, RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
+from specserve.tls import draft_role_problem, server_credentials
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 from specserve.wire import CHANNEL_OPTIONS, DRAFT_NAME_KEY, pack_verified
 
@@ -159,8 +160,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         self._ids = itertools.count(1)
         self._max_queued = max_queued_updates
         self._server: grpc.Server | None = None
-        # with mutual TLS: names of which a draft's certificate must carry one
-        self._draft_names: tuple[str, ...] | None = None
+        self._draft_names: tuple[str, ...] | None = None  # mutual TLS: grpc_tls.draft_names
         self.port: int | None = None
         self.request_errors = 0
 
@@ -335,8 +335,6 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
 
     def Connect(self, request_iterator, context) -> Iterator[spec_pb2.SinkMessage]:
         if self._draft_names is not None:  # mutual TLS: the peer's certificate is verified
-            from specserve.tls import draft_role_problem
-
             problem = draft_role_problem(context.auth_context(), self._draft_names)
             if problem is not None:
                 log.warning("refused a draft stream from %s: %s", context.peer(), problem)
@@ -480,8 +478,6 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         if tls is None:
             port = server.add_insecure_port(address)
         else:
-            from specserve.tls import server_credentials
-
             port = server.add_secure_port(address, server_credentials(tls))
             self._draft_names = tuple(tls.draft_names)
         if port == 0:

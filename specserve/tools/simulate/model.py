@@ -245,8 +245,7 @@ class _Sim:
         self.kick_draft(d)
 
     def leg_ms(self, t: int) -> float:
-        """One way between a draft and target replica t: half the network's
-        round trip, and half the data plane's own at t's rows (profile)."""
+        """One way to or from target t: half the network's and the data plane's round trips."""
         ms = self.sc.rtt_ms / 2
         if self.p.dataplane is not None:
             ms += self.p.dataplane.round_trip_ms(len(self.t_running[t])) / 2
