@@ -98,7 +98,9 @@ def test_a_conversation_stays_with_its_replica_and_load_spreads_conversations():
     # (a turn whose distinct text ends inside a partial chunk matches both
     # replicas equally: then the load decides, and the client's own replica is
     # the less loaded one)
-    assert snap["choices"]["balance"] == 0 and snap["choices"]["prefix"] >= 8 * 4
+    # In the first turn the shared system prompt draws the new conversations to
+    # the replica that holds it, until the load bound sends one elsewhere.
+    assert snap["choices"]["balance"] == 1 and snap["choices"]["prefix"] >= 8 * 4
     assert snap["prefix_match_rate"] > 0.5
 
 
