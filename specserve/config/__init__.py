@@ -7,6 +7,7 @@
   (`kcontrol`), the W > K rule;
 - `quotas`: per-request limits, the target queue, the request timeout;
 - `http`: the HTTP ingress (listen address, API keys, body size);
+- `routing`: how target and draft replicas are chosen (prefix within a load bound);
 - `naming`: the draft pool name rule and names made from model folders;
 - `fit`: what the deployments ask of a local cluster, checked before Ray starts.
 
@@ -16,6 +17,7 @@ Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
 from specserve.config.quotas import QuotaConfig
+from specserve.config.routing import RoutingConfig
 from specserve.config.speculation import (
     MAX_SPECULATIVE_TOKENS,
     SpeculationConfig,
@@ -38,6 +40,6 @@ from specserve.config.schema import (
 __all__ = [
     "DEFAULT_CONFIG_PATH", "DRAFT_NAME_MAX_LEN", "DRAFT_NAME_RE", "MAX_SPECULATIVE_TOKENS",
     "MODEL_BOUND_ENGINE_KEYS", "AppConfig", "Autoscaling", "ConfigError", "DraftConfig",
-    "EngineConfig", "GrpcTlsConfig", "HttpConfig", "QuotaConfig", "RayConfig", "Resources",
+    "EngineConfig", "GrpcTlsConfig", "HttpConfig", "QuotaConfig", "RayConfig", "Resources", "RoutingConfig",
     "SpeculationConfig", "TargetConfig", "lookahead_problem", "lookahead_tokens",
 ]
