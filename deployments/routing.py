@@ -15,6 +15,10 @@ it calls with a blocking `ray.get` on every request, reads a text prompt from
 an argument's `.prompt` / `.messages` (ours are the raw body, and the draft's
 are token ids), and says nothing of why it chose.
 
+The index learns where a request went in `on_request_routed`, which Serve
+calls when a replica accepts it (Serve's strict max_ongoing_requests: on,
+except for handles used through Ray Client).
+
 Calls without a prefix (the target's /v1/models, health and figures; a body
 that is not a single conversation) go by Serve's power of two choices. Each
 router counts its choices by reason (`specserve.control.affinity.Tally`),
@@ -51,7 +55,7 @@ _TALLIES: dict[str, Tally] = {}
 
 def tallies(prefix: str = "") -> dict[str, dict]:
     """The choices of this process's affinity routers, by deployment, by reason."""
-    return {name: t.snapshot() for name, t in sorted(_TALLIES.items())
+    return {name: t.snapshot() for name, t in sorted(list(_TALLIES.items()))
             if name.startswith(prefix)}
 
 
