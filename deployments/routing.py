@@ -33,7 +33,8 @@ from collections import OrderedDict
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
-    LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica,
+    FIFOMixin, LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
+    RunningReplica,
 )
 
 from specserve.control.affinity import PrefixIndex, Tally, choose, conversation_text, prefix_keys
@@ -59,13 +60,18 @@ def tallies(prefix: str = "") -> dict[str, dict]:
             if name.startswith(prefix)}
 
 
-class _AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class _AffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+    # FIFOMixin, as Serve's default router: without it Serve hands a replica
+    # to the pending request with the routed request's internal id, which all
+    # the calls one caller request makes share (the router's /v1/spec/stats
+    # asks a target replica three things at once; a target opens n draft
+    # streams for n > 1): one of them was then never routed.
     chunk = 1
 
     def initialize_state(self, max_extra_requests: int = 4, capacity: int = 200_000):
         self._max_extra = max_extra_requests
         self._index = PrefixIndex(capacity)
-        self._open: OrderedDict[str, tuple] = OrderedDict()
+        self._open: OrderedDict[object, tuple] = OrderedDict()
         name = self._deployment_id.name if self._deployment_id else "?"
         # Serve ships this class to the caller by value (cloudpickle), with
         # its own copy of this module's globals: the registry is reached
@@ -92,7 +98,8 @@ class _AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         loads = await self._loads(candidate_replicas)
         c = choose(list(by_id), loads, self._index.match(keys, by_id), keys[0], self._max_extra)
-        rid = pending_request.metadata.internal_request_id
+        # By the request's future: its internal id is shared (see FIFOMixin above).
+        rid = pending_request.future
         self._open[rid] = (keys, c.order[0], c.reason, c.matched)
         self._open.move_to_end(rid)
         while len(self._open) > _MAX_OPEN:
@@ -117,7 +124,7 @@ class _AffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result) -> None:
-        opened = self._open.pop(pending_request.metadata.internal_request_id, None)
+        opened = self._open.pop(pending_request.future, None)
         if opened is None:
             return
         keys, preferred, reason, matched = opened

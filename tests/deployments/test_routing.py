@@ -119,3 +119,22 @@ def test_draft_requests_go_to_the_replica_that_drafted_their_prefix():
         assert routing.tallies("draft-")["draft-same"]["choices"]["prefix"] == 3
 
     asyncio.run(go())
+
+
+def test_calls_that_share_a_caller_request_are_all_routed():
+    # The calls one caller request makes share its internal request id (the
+    # router's /v1/spec/stats asks a target replica three things at once):
+    # Serve's own routing loop must route each of them.
+    async def go():
+        dep = DeploymentID(name="target", app_name="specserve")
+        reps = [FakeReplica("a", dep), FakeReplica("b", dep)]
+        router = _router(TargetAffinityRouter, reps)
+        await asyncio.sleep(0)
+        calls = [PendingRequest(args=list(args), kwargs={}, metadata=RequestMetadata(
+            request_id="r", internal_request_id="shared")) for args in
+            [(), ("POST", "/v1/chat/completions", "", [], _chat("Where is the Nile?")), ()]]
+        chosen = await asyncio.wait_for(
+            asyncio.gather(*(router._choose_replica_for_request(c) for c in calls)), 10)
+        assert len(chosen) == 3
+
+    asyncio.run(go())
