@@ -2,7 +2,8 @@
 
 Only here are `serve.deployment(...).options(...).bind(...)` applied; the
 deployment classes stay plain Python. Every Serve option comes from the one
-config model (`specserve.config.AppConfig`). The replicas are built from the
+config model (`specserve.config.AppConfig`), the request routers of the
+target and draft deployments too (`deployments.routing`). The replicas are built from the
 config's code part and get its live part (K, thresholds, quotas, replica
 bounds) as Serve's user_config, through their `reconfigure`
 (`specserve.config.live`), so that a change of the live part restarts no
@@ -55,6 +56,7 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
     code = AppConfig.from_dict(code_part(cfg), source="the config's code part")
     live = live_part(cfg)
     config = code.model_dump(mode="json")
+    routing = cfg.routing
     drafts = {}
     for i, d in enumerate(cfg.drafts):
         drafts[d.name] = serve.deployment(draft_cls).options(
@@ -62,6 +64,8 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
             ray_actor_options=draft_actor_options(d.resources),
             max_ongoing_requests=d.max_ongoing_requests,
             health_check_period_s=10,
+            # Each target replica picks the draft replica of each engine request.
+            **_router(routing.draft, routing.max_extra_requests, draft=True),
             **_scaling(d.replicas, "draft"),
         ).bind(code.drafts[i].model_dump(mode="json"), cfg.target.tensor_parallel_size,
                cfg.grpc_tls.model_dump(mode="json") if cfg.grpc_tls else None,
@@ -83,6 +87,8 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
         max_queued_requests=_queue(cfg),
         health_check_period_s=10,
         user_config=live,
+        # Each router replica picks the target replica of each HTTP request.
+        **_router(routing.target, routing.max_extra_requests),
         **_scaling(t.replicas, "target"),
     ).bind(config, drafts)
 
@@ -119,6 +125,20 @@ def _router_scaling(cfg: AppConfig) -> dict:
         "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
         "target_ongoing_requests": cfg.router.target_ongoing_requests,
     }}
+
+
+def _router(policy: str, max_extra_requests: int, draft: bool = False) -> dict:
+    """The request_router_config option of `routing:` (none: Serve's default)."""
+    if policy != "prefix":
+        return {}
+    from ray.serve.config import RequestRouterConfig
+
+    # By path: deployments.routing imports Ray Serve's router classes, which
+    # this module (imported without Ray by the config and chart tools) must not.
+    cls = "DraftAffinityRouter" if draft else "TargetAffinityRouter"
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=f"deployments.routing.{cls}",
+        request_router_kwargs={"max_extra_requests": max_extra_requests})}
 
 
 def _queue(cfg: AppConfig) -> int:

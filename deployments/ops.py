@@ -178,6 +178,13 @@ class OpsViews:
         # those Serve runs (null where Serve cannot say).
         snap["target_replicas"] = {"reported": self.replicas.replicas(),
                                    "running": self.replicas.running()}
+        # Why requests went where they did: this router's target choices and
+        # (from the target replica that answered) its draft choices, by reason
+        # (specserve.control.affinity.REASONS); {} under Serve's default routing.
+        engine = snap["target_engine"]
+        snap["routing"] = {"target": _routing_tallies().get("target"),
+                           "drafts": engine.pop("draft_routing", None)
+                           if isinstance(engine, dict) else engine}
         return snap
 
     async def metrics_text(self) -> str:
@@ -189,6 +196,15 @@ class OpsViews:
                  *pools.prometheus_lines(await self.pool_rows()),
                  *self.replicas.prometheus_lines(now)]
         return "\n".join(lines) + "\n"
+
+
+def _routing_tallies() -> dict:
+    """This process's affinity routers' tallies (deployments.routing), by deployment."""
+    try:
+        from deployments.routing import tallies
+    except ImportError:  # no Ray Serve here (unit tests of the views)
+        return {}
+    return tallies()
 
 
 def _serve_deployments() -> dict:

@@ -232,7 +232,9 @@ class TargetServer:
                 "unfinished_requests": self.engine.get_num_unfinished_requests(),
                 "running": t.running,
                 # measured decode step cost, None until enough steps were seen
-                "step_cost": self.step_costs.as_dict()}
+                "step_cost": self.step_costs.as_dict(),
+                # this replica's draft replica choices, by pool and reason
+                "draft_routing": _draft_tallies()}
 
     async def branch_counters(self) -> dict:
         """The sink's draft-book counters per draft ("model/replica"): branches,
@@ -296,3 +298,13 @@ class TargetServer:
         """True once this replica's engine can serve (the router's /healthz)."""
         await self.engine.check_health()
         return True
+
+
+def _draft_tallies() -> dict:
+    """The draft pools' affinity routers' tallies in this process (deployments.routing)."""
+    try:
+        from deployments.routing import tallies
+    except ImportError:  # no Ray Serve here (the class tested alone)
+        return {}
+    return tallies("draft-")
+

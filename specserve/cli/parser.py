@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.tools.bench.dataplane_workload import add_arguments as add_dataplane
 
     add_dataplane(dp, positive_int, non_negative_float)
+    rt = bsub.add_parser("routing", help="target routing by prefix against Ray Serve's default "
+                         "(and one replica): vLLM's prefix-cache hit rate, TTFT p50, requests "
+                         "per replica, on a seeded multi-turn chat workload")
+    from specserve.tools.bench.routing import add_arguments as add_routing
+
+    add_routing(rt, positive_int)
 
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)

@@ -1,4 +1,4 @@
-"""The edges of the tool commands: `specserve bench` (and `bench dataplane`) and `specserve distill`.
+"""The edges of the tool commands: `specserve bench` (`bench dataplane`, `bench routing`) and `specserve distill`.
 
 Owns checking their models and flags (one line, exit 2) and printing what
 they return; the bodies are `specserve.tools.bench` and
@@ -20,6 +20,8 @@ def run_bench(args) -> int:
     """`specserve bench`: the body is specserve/tools/bench/; here only the edge."""
     if getattr(args, "bench_command", None) == "dataplane":
         return run_dataplane(args)
+    if getattr(args, "bench_command", None) == "routing":
+        return run_routing(args)
     from specserve.tools.bench import report as bench_report
     from specserve.tools.bench import run as bench
     from specserve.models import ensure_default_model, tokenizers_compatible
@@ -77,6 +79,20 @@ def run_dataplane(args) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1) + "\n")
     print(markdown(report))
+    return 0
+
+
+def run_routing(args) -> int:
+    """`specserve bench routing`: the body is specserve/tools/bench/routing.py."""
+    import tempfile
+
+    from specserve.tools.bench import routing
+
+    if args.target:
+        args.target = model_dir(args.target, "target")
+    with tempfile.TemporaryDirectory(prefix="specserve-bench-routing-") as work:
+        report = routing.run(args, Path(work))
+    print(routing.markdown(report))
     return 0
 
 

@@ -8,6 +8,7 @@
 - `quotas`: per-request limits, the target queue, the request timeout;
 - `suffix`: the suffix draft pool's memory bounds and drafting rule;
 - `http`: the HTTP ingress (listen address, API keys, body size);
+- `routing`: how target and draft replicas are chosen (prefix within a load bound);
 - `naming`: the draft pool name rule and names made from model folders;
 - `fit`: what the deployments ask of a local cluster, checked before Ray starts.
 
@@ -17,6 +18,7 @@ Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
 from specserve.config.quotas import QuotaConfig
+from specserve.config.routing import RoutingConfig
 from specserve.config.speculation import (
     MAX_SPECULATIVE_TOKENS,
     SpeculationConfig,
@@ -41,5 +43,6 @@ __all__ = [
     "DEFAULT_CONFIG_PATH", "DRAFT_NAME_MAX_LEN", "DRAFT_NAME_RE", "MAX_SPECULATIVE_TOKENS",
     "MODEL_BOUND_ENGINE_KEYS", "AppConfig", "Autoscaling", "ConfigError", "DraftConfig",
     "EngineConfig", "GrpcTlsConfig", "HttpConfig", "QuotaConfig", "RayConfig", "Resources",
-    "SpeculationConfig", "SuffixConfig", "TargetConfig", "lookahead_problem", "lookahead_tokens",
+    "RoutingConfig", "SpeculationConfig", "SuffixConfig", "TargetConfig", "lookahead_problem",
+    "lookahead_tokens",
 ]

@@ -1,7 +1,8 @@
 """The schema of a specserve deployment: one pydantic model, one source of truth.
 
 Owns `AppConfig` and its parts (the target pool, the draft pools, speculation
-settings K and W, the HTTP ingress, the quotas, how to reach Ray, gRPC TLS). Every field
+settings K and W, the HTTP ingress, the quotas, replica routing, how to reach Ray,
+gRPC TLS). Every field
 carries a `description=`: that text is the reference documentation of every key
 in `cluster/*.yaml` and of the Helm values, which are generated from this model.
 Owns the cross-field checks that must fail at load time, before anything starts
@@ -32,6 +33,7 @@ from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml
 from specserve.config.http import HttpConfig
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
 from specserve.config.quotas import QuotaConfig
+from specserve.config.routing import RoutingConfig
 from specserve.config.speculation import SpeculationConfig
 from specserve.config.suffix import SuffixConfig
 from specserve.models import DEFAULT_DRAFT_KEYWORD, DEFAULT_MODEL_NAME
@@ -361,6 +363,9 @@ class AppConfig(_Strict):
         default_factory=RouterConfig, description="The router deployment (HTTP ingress).")
     ray: RayConfig = Field(
         default_factory=RayConfig, description="Ray cluster.")
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig,
+        description="Replica choice: by prefix within a load bound, or Ray Serve's default.")
     grpc_tls: GrpcTlsConfig | None = Field(
         None, description="Mutual TLS on the draft -> target gRPC stream. Null: plaintext "
                           "(fine on a private network or loopback).")

@@ -174,6 +174,40 @@ def test_acceptance_steers_requests_and_k(app, expected):
     assert sum(d["accepted_tokens"] for d in after["drafts"]) == engine["accepted_tokens"]
 
 
+def test_routing_by_prefix_says_why(app, tiny_models):
+    """A two-turn conversation goes through the prefix routers (target and
+    draft, `routing:`): /v1/spec/stats counts each choice and how much of
+    the prefix the chosen replica held; greedy text = target-only."""
+    from transformers import AutoTokenizer
+
+    from specserve.testing.tiny import greedy_ids_for
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["target"]))
+    c = client(app)
+
+    def counts(snap, key):
+        tallies = snap["routing"][key] or {}
+        if key == "target":
+            tallies = {"target": tallies} if tallies else {}
+        return sum(n for t in tallies.values() for n in t["choices"].values())
+
+    _, before = get(f"{app.url}/v1/spec/stats")
+    msgs = [{"role": "system", "content": "Answer in the voice of a patient librarian. " * 2},
+            {"role": "user", "content": PROMPTS[1]}]
+    for turn in range(2):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        want = tok.decode(greedy_ids_for(tiny_models["target"], [list(ids)], MAX_TOKENS)[0])
+        r = c.chat.completions.create(model="tiny", messages=msgs, **GREEDY)
+        assert r.choices[0].message.content == want, turn
+        msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "More."}]
+    _, after = get(f"{app.url}/v1/spec/stats")
+    assert counts(after, "target") == counts(before, "target") + 2, after["routing"]
+    assert counts(after, "drafts") >= counts(before, "drafts") + 1, after["routing"]
+    # The second turn found its first turn's prefix on the replica it went to.
+    assert after["routing"]["target"]["prefix_match_rate"] > 0, after["routing"]
+
+
 def test_vllm_benchmark_client_reports_acceptance(app, tiny_models):
     """vLLM's own benchmark client (`vllm bench serve`; the `vllm` script is not
     installed here, so its module) reads acceptance from specserve's /metrics."""

@@ -354,7 +354,7 @@ def test_values_schema_rejects_typos_and_bad_values():
     chart().validate_schema(gpu_values())
     for bad in ({"specserve": {"target": {"max_replica": 4}}},  # AppConfig: unknown key
                 {"specserve": {"speculation": {"num_speculative_tokens": 99}}},
-                {"specserve": {"drafts": [{"name": "x"}]}},  # model missing
+                {"specserve": {"drafts": [{"name": "x", "kind": "llm"}]}},  # no such kind
                 {"workerGroups": {"target": {"gpus": -1}}},
                 {"workerGroups": {"target": {"nodeselector": {}}}},
                 {"servicemonitor": {"enabled": True}}):
