@@ -35,15 +35,20 @@ def _scaling(r: Autoscaling, pool: str) -> dict:
     (specserve.control.autoscale); the other option null, so that one
     replaces the other when the Serve config changes. The Helm chart renders
     the same (helm/specserve/serve-defaults.json, `chart_defaults`)."""
+    return _replicas(r, {"look_back_period_s": LOOK_BACK_PERIOD_S,
+                         "policy": {"policy_function": POLICIES[pool]}})
+
+
+def _replicas(r: Autoscaling, how: dict) -> dict:
+    """Fixed replicas (min = max), or Serve's autoscaling between the bounds,
+    as `how` says (a policy, or Serve's own target)."""
     if r.min_replicas == r.max_replicas:
         return {"num_replicas": r.max_replicas, "autoscaling_config": None}
     return {"num_replicas": None, "autoscaling_config": {
         "min_replicas": r.min_replicas, "max_replicas": r.max_replicas,
         "initial_replicas": r.initial_replicas,
         "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
-        "look_back_period_s": LOOK_BACK_PERIOD_S,
-        "policy": {"policy_function": POLICIES[pool]},
-    }}
+        **how}}
 
 
 def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
@@ -116,15 +121,8 @@ def router_actor_options(cfg: AppConfig) -> dict:
 
 def _router_scaling(cfg: AppConfig) -> dict:
     """Fixed router replicas, or Serve's own request-based autoscaling."""
-    r = cfg.router.replicas
-    if r.min_replicas == r.max_replicas:
-        return {"num_replicas": r.max_replicas, "autoscaling_config": None}
-    return {"num_replicas": None, "autoscaling_config": {
-        "min_replicas": r.min_replicas, "max_replicas": r.max_replicas,
-        "initial_replicas": r.initial_replicas,
-        "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
-        "target_ongoing_requests": cfg.router.target_ongoing_requests,
-    }}
+    return _replicas(cfg.router.replicas,
+                     {"target_ongoing_requests": cfg.router.target_ongoing_requests})
 
 
 def _router(policy: str, max_extra_requests: int, draft: bool = False) -> dict:
