@@ -425,6 +425,28 @@ def test_stats_are_kept_per_stream_too():
     assert total.verified_steps == b.stats.verified_steps == 1
 
 
+def test_per_stream_counts_split_a_mixed_step_exactly():
+    """Rows of two streams in one step: each stream's counters get its own
+    rows' counts (flags and token counts), and they sum to the totals."""
+    b = book()
+    b.open((1, "a"), [1, 2])
+    b.open((2, "b"), [3, 4])
+    b.open((2, "c"), [5, 6])
+    b.extend((1, "a"), 2, [7, 8, 9])
+    b.extend((2, "b"), 2, [10, 11])
+    b.extend((2, "c"), 2, [12])
+    keys = [(1, "a"), (2, "b"), (2, "c")]
+    b.propose([h(1, 2), h(3, 4), h(5, 6)], K, K + 1, keys=keys)
+    # a: all 3 accepted; b: 1 of 2 (11 rejected); c: its 1 accepted
+    b.propose([h(1, 2, 7, 8, 9, 20), h(3, 4, 10, 30), h(5, 6, 12, 40)], K, K + 1, keys=keys)
+    one, two = b.stream_stats[1], b.stream_stats[2]
+    assert (one.verified_steps, one.accepted_tokens) == (1, 3)
+    assert (two.verified_steps, two.accepted_tokens) == (2, 2)
+    assert (one.steps_after_accepted, two.steps_after_accepted, two.steps_after_rejected) \
+        == (1, 1, 1)
+    assert b.stats.accepted_tokens == 5 and b.stats.verified_steps == 3
+
+
 def test_a_wrong_token_after_the_accepted_window_is_a_rejection_too():
     """All proposed tokens accepted, but S's next token (the bonus position)
     is not the target's: the branch for it is taken, and it counts as a
