@@ -50,6 +50,10 @@ TARGET_ATTEMPTS = 2
 # is gone, so that Serve sends it to another replica (or holds it for the new one).
 DEAD_ENGINE_RETRY_S = 2.0
 
+# The status of a request whose client left before its body arrived (nginx's
+# 499): nobody reads it, but it is counted, and as an abort.
+CLIENT_CLOSED = 499
+
 # /healthz waits this long for a target replica to say its engine is up.
 HEALTH_WAIT_S = 5.0
 
@@ -257,7 +261,7 @@ class Router:
             raise
         outcomes.responded(route, response.status_code)
         if not isinstance(response, StreamingResponse):
-            outcomes.ended(route)
+            outcomes.ended(route, aborted=response.status_code == CLIENT_CLOSED)
         return response
 
     async def _answer(self, request, label: str):
@@ -325,17 +329,23 @@ class Router:
         reset connection instead); past that the connection is closed."""
         declared = request.headers.get("content-length")
         too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
+        from starlette.requests import ClientDisconnect
+
         body, seen = bytearray(), 0
-        async for chunk in request.stream():
-            seen += len(chunk)
-            if seen > self.max_body:
-                too_big = True
-            if too_big:
-                body.clear()
-                if seen > 4 * self.max_body:
-                    break
-            else:
-                body += chunk
+        try:
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen > self.max_body:
+                    too_big = True
+                if too_big:
+                    body.clear()
+                    if seen > 4 * self.max_body:
+                        break
+                else:
+                    body += chunk
+        except ClientDisconnect:  # nobody reads the answer: counted, not logged as a fault
+            raise ApiError(CLIENT_CLOSED, "the client closed the connection before its body arrived",
+                           code="client_closed") from None
         if too_big:
             raise ApiError(413, f"request body over {self.max_body} bytes "
                                 f"(http.max_body_bytes)", code="request_too_large")

@@ -7,6 +7,7 @@ answer at once while no target replica is up."""
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -36,7 +37,7 @@ def record():
         ttft_s=0.1, duration_s=1.0, finished_at=0.0)
 
 
-def request(method, path, body=b"", headers=None, chunks=None):
+def request(method, path, body=b"", headers=None, chunks=None, disconnect=False):
     from starlette.requests import Request
 
     parts = list(chunks) if chunks is not None else [body]
@@ -52,7 +53,9 @@ def request(method, path, body=b"", headers=None, chunks=None):
         if parts:
             chunk = parts.pop(0)
             read.append(len(chunk))
-            return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
+            return {"type": "http.request", "body": chunk, "more_body": bool(parts) or disconnect}
+        if disconnect:
+            return {"type": "http.disconnect"}
         await asyncio.sleep(3600)
 
     req = Request(scope, receive)
@@ -149,6 +152,27 @@ def test_a_body_over_the_limit_is_read_and_answered_413():
         assert r.choice.inflight == {}
 
     asyncio.run(go())
+
+
+def test_a_client_that_leaves_mid_body_is_counted_as_an_abort_not_a_fault(caplog):
+    """The connection closes after part of the body: no target call, no 500 and
+    no traceback in the log; the outcome counters show a 499 and an abort."""
+    async def go():
+        target = FakeTarget()
+        r = router(target)
+        r.ops._serve_status = lambda: {}
+        req = request("POST", "/v1/completions", chunks=[b'{"prompt": '], disconnect=True)
+        status, _, got = await answer(r, req)
+        assert status == 499 and json.loads(got)["error"]["code"] == "client_closed"
+        assert target.calls == [] and r.choice.inflight == {}
+        _, _, text = await answer(r, request("GET", "/metrics"))
+        return text.decode()
+
+    with caplog.at_level(logging.WARNING):
+        text = asyncio.run(go())
+    assert 'specserve_http_responses_total{route="/v1/completions",status="499"} 1' in text
+    assert 'specserve_http_aborts_total{route="/v1/completions"} 1' in text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
 
 
 def test_api_key_and_unknown_routes():
