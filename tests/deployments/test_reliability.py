@@ -456,11 +456,31 @@ def test_target_replica_killed_mid_stream(app, expected):
 
 
 def engine_core(app) -> tuple[psutil.Process, psutil.Process]:
-    """The target replica's process and its vLLM EngineCore (vLLM titles it)."""
-    [replica] = replica_processes(app, "target")
-    [core] = [p for p in replica.children(recursive=True)
-              if "EngineCore" in " ".join(p.cmdline())]
-    return replica, core
+    """The target replica's process and its vLLM EngineCore (vLLM titles it).
+    Waited for: right after a replacement (the test before kills the target)
+    /healthz can say 200 while Ray still lists the dying replica beside the
+    new one, or before the new EngineCore has titled itself (CI saw no core)."""
+    seen: list[str] = []
+
+    def found():
+        seen.clear()
+        replicas = replica_processes(app, "target")
+        cores = []
+        for replica in replicas:
+            for p in replica.children(recursive=True):
+                try:
+                    title = f"{p.name()}: {' '.join(p.cmdline())}"
+                except psutil.Error:  # gone meanwhile
+                    continue
+                seen.append(f"{replica.pid} > {p.pid}: {title[:80]}")
+                if "EngineCore" in title:
+                    cores.append((replica, p))
+        return cores[0] if len(replicas) == 1 and len(cores) == 1 else None
+
+    try:
+        return wait_for(found, 120, "one target replica with one EngineCore")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; processes under the target replicas: {seen}") from None
 
 
 def test_a_dead_target_engine_is_replaced_at_once(app, expected):
