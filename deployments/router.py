@@ -327,10 +327,10 @@ class Router:
         dropped) up to 4x the limit, so the client has sent it all and reads
         the 413 (a server that answers mid-upload makes many clients see a
         reset connection instead); past that the connection is closed."""
-        declared = request.headers.get("content-length")
-        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         from starlette.requests import ClientDisconnect
 
+        declared = request.headers.get("content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         body, seen = bytearray(), 0
         try:
             async for chunk in request.stream():
