@@ -11,8 +11,12 @@ Follows Ray Serve LLM (`ray/llm/_internal/serve/core/server/llm_server.py`,
 - A target replica reserves one bundle per TP worker, each holding that worker's
   share of `resources` (CPUs, GPU, host memory, the accelerator type as Ray's
   `accelerator_type:<T>` resource). STRICT_PACK keeps a replica on one node
-  (tensor parallelism across nodes is slow, and the draft sink in TP rank 0
-  hands its port to the replica through a local file).
+  (tensor parallelism across nodes is slow). A target larger than one node
+  (`hosts` > 1, GPUs only) is placed with PACK, Ray Serve LLM's default: the
+  bundles fill as few nodes as hold them. The draft sink in TP rank 0 hands
+  its port to the replica through a local file either way: vLLM's Ray executor
+  gives rank 0 to a worker on the engine's own node, and the engine runs in
+  the replica actor's bundle 0.
 - The replica actor runs in bundle 0 and asks for that bundle's CPUs and host
   memory, never a GPU: everything it asks for is inside its bundle, so Ray can
   place it (an ask outside every bundle can never be placed).
@@ -98,7 +102,8 @@ def target_placement(t: TargetConfig) -> TargetPlacement:
     else:
         worker = {}
         executor = "mp" if tp > 1 else "uni"
-    placement = TargetPlacement(actor=actor, bundles=bundles, strategy="STRICT_PACK",
+    strategy = "PACK" if t.hosts > 1 else "STRICT_PACK"
+    placement = TargetPlacement(actor=actor, bundles=bundles, strategy=strategy,
                                 executor=executor, worker=worker)
     check_fits(placement)
     return placement

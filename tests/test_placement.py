@@ -62,3 +62,21 @@ def test_draft_replicas_hold_their_gpu_and_accelerator_type():
     d = gpu_example().drafts[0]
     assert draft_actor_options(d.resources) == {"num_cpus": 2, "num_gpus": 1,
                                                 "accelerator_type": "L4"}
+
+
+def test_a_target_over_several_hosts_is_packed_not_strictly():
+    t = gpu_example().target.model_copy(update={"tensor_parallel_size": 8, "hosts": 2})
+    p = target_placement(TargetConfig.model_validate(t.model_dump()))
+    assert p.strategy == "PACK"  # Ray Serve LLM's: the bundles spill onto a second node
+    assert len(p.bundles) == 8 and all(b["GPU"] == 1 for b in p.bundles)
+    assert p.executor == "ray"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tensor_parallel_size": 2, "hosts": 2}, "hosts 2 needs GPUs"),
+    ({"tensor_parallel_size": 6, "hosts": 4, "resources": {"gpus_per_worker": 1}},
+     "hosts 4 does not divide tensor_parallel_size 6"),
+])
+def test_hosts_that_cannot_be_placed_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TargetConfig(**fields)

@@ -167,6 +167,13 @@ class TargetConfig(_Strict):
         1, ge=1,
         description="Tensor-parallel workers per target replica (TP); each gets one "
                     "placement-group bundle of `resources`.")
+    hosts: int = Field(
+        1, ge=1,
+        description="Nodes one target replica spans, for a target larger than one node "
+                    "(GPUs only): its tensor_parallel_size workers split evenly over them, "
+                    "placed with Ray's PACK strategy (as Ray Serve LLM does); in the chart, "
+                    "the target group's numOfHosts. 1: the replica stays on one node "
+                    "(STRICT_PACK).")
     replicas: Autoscaling = Field(
         default_factory=Autoscaling, description="Replica count bounds of the target pool.")
     resources: Resources = Field(
@@ -208,6 +215,13 @@ class TargetConfig(_Strict):
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} on GPUs needs "
                              f"resources.gpus_per_worker: 1 (got {gpus}): each tensor-parallel "
                              "worker drives exactly one GPU")
+        if self.hosts > 1 and gpus <= 0:
+            raise ValueError(f"hosts {self.hosts} needs GPUs (resources.gpus_per_worker > 0): "
+                             "a CPU target runs its workers as local processes, on one node")
+        if self.tensor_parallel_size % self.hosts:
+            raise ValueError(f"hosts {self.hosts} does not divide tensor_parallel_size "
+                             f"{self.tensor_parallel_size}: each node runs the same number of "
+                             "tensor-parallel workers")
         return self
 
     def served_name(self) -> str:

@@ -114,7 +114,8 @@ def _pod_settings(what: str) -> dict:
     }
 
 
-def _worker_group(what: str, gpus: str, bounds: str) -> dict:
+def _worker_group(what: str, gpus: str, bounds: str,
+                  pods: str = "one pod per replica") -> dict:
     return _obj({
         "gpus": _nullable({"type": "integer", "minimum": 0,
                            "description": f"nvidia.com/gpu per pod. Null: {gpus}."}),
@@ -128,7 +129,7 @@ def _worker_group(what: str, gpus: str, bounds: str) -> dict:
                            "removes it (needs autoscaler.version v2). Null: "
                            "autoscaler.idleTimeoutSeconds."}),
         **_pod_settings(what),
-    }, f"The {what} worker group: one pod per replica.")
+    }, f"The {what} worker group: {pods}.")
 
 
 INCREMENTAL = "NewClusterWithIncrementalUpgrade"
@@ -198,8 +199,10 @@ def values_schema() -> dict:
             "head": _obj(_pod_settings("head"),
                          "The Ray head pod (GCS, dashboard, Serve controller, router)."),
             "workerGroups": _obj({
-                "target": _worker_group("target", "tensor_parallel_size x gpus_per_worker",
-                                        "specserve.target.replicas"),
+                "target": _worker_group("target", "tensor_parallel_size / hosts x "
+                                        "gpus_per_worker", "specserve.target.replicas",
+                                        "specserve.target.hosts pods (numOfHosts) per "
+                                        "replica; the replica bounds count replicas"),
                 "draft": _worker_group("draft", "the pool's resources.gpus_per_worker, "
                                        "rounded up", "the pool's replicas"),
                 "router": _obj({

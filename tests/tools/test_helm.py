@@ -541,7 +541,7 @@ def test_each_draft_pool_gets_its_own_group():
 
 @pytest.mark.parametrize("override, message", [
     ({"target": {"gpus": 3}}, r"workerGroups.target.gpus 3 is less than the 4 GPUs one "
-                              r"replica needs \(tensor_parallel_size 4 x gpus_per_worker 1\)"),
+                              r"replica needs on a pod \(tensor_parallel_size 4 x gpus_per_worker 1\)"),
     ({"draftPools": {"llama-8b": {"gpus": 0}}}, "workerGroups.draftPools.llama-8b.gpus 0 is "
                                                 "less than the 1 GPUs"),
     ({"draftPools": {"llama-3b": {"gpus": 1}}}, "no draft pool is named llama-3b"),

@@ -408,3 +408,43 @@ def test_incremental_upgrade_without_the_autoscaler_fails_at_render():
                                   "clusterUpgradeOptions": INCREMENTAL_OPTIONS}}
     with pytest.raises(helm.HelmError, match="needs KubeRay's autoscaler"):
         render(values)
+
+
+# ---- a target larger than one node ------------------------------------------------------------
+
+def test_a_target_over_two_hosts_is_numofhosts_pods_each_with_its_share():
+    from specserve.placement import target_placement
+
+    values = gpu_values()
+    values["specserve"]["target"].update(tensor_parallel_size=8, hosts=2)
+    rs = render(values)["RayService"]
+    check_rayservice(rs)
+    target = groups(rs)["target"]
+    assert target["numOfHosts"] == 2  # KubeRay creates and removes the two pods together
+    assert container(target)["resources"]["limits"]["nvidia.com/gpu"] == 4  # 8 / 2
+    _, app = serve_app(rs)
+    placement = target_placement(chart_config(app).target)
+    assert placement.strategy == "PACK" and len(placement.bundles) == 8
+    # One host's share of the bundles fits one pod; the default stays one pod per replica.
+    assert sum(b["GPU"] for b in placement.bundles) / 2 == 4
+    assert groups(render(gpu_values())["RayService"])["target"]["numOfHosts"] == 1
+
+
+@pytest.mark.parametrize("target, gpus, message", [
+    ({"tensor_parallel_size": 8, "hosts": 2}, 3,
+     r"workerGroups.target.gpus 3 is less than the 4 GPUs one replica needs on a pod "
+     r"\(tensor_parallel_size 8 / hosts 2 x gpus_per_worker 1\)"),
+    ({"tensor_parallel_size": 6, "hosts": 4}, None, "hosts 4 does not divide "
+                                                    "tensor_parallel_size 6"),
+    ({"tensor_parallel_size": 2, "hosts": 2, "resources": {"cpus_per_worker": 1}}, None,
+     r"hosts 2 needs GPUs"),
+])
+def test_hosts_that_cannot_hold_the_target_fail_at_render(target, gpus, message):
+    import helm_python as helm
+
+    values = gpu_values()
+    values["specserve"]["target"].update(target)
+    if gpus is not None:
+        values["workerGroups"]["target"]["gpus"] = gpus
+    with pytest.raises(helm.HelmError, match=message):
+        render(values)

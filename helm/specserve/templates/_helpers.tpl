@@ -43,7 +43,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.workerGroups.target.gpus | int -}}
 {{- else -}}
 {{- $res := $t.resources | default dict -}}
-{{- mulf ($t.tensor_parallel_size | default 1) ($res.gpus_per_worker | default 0) | ceil | int -}}
+{{- mulf (div ($t.tensor_parallel_size | default 1 | int) ($t.hosts | default 1 | int)) ($res.gpus_per_worker | default 0) | ceil | int -}}
 {{- end -}}
 {{- end -}}
 
@@ -306,7 +306,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
      (dict "have" $gpusOrNil "need" N "name" "target" "why" "..."). */}}
 {{- define "specserve.checkGpus" -}}
 {{- if and (not (kindIs "invalid" .have)) (lt (float64 .have) (.need | float64 | ceil)) -}}
-{{- fail (printf "workerGroups.%s.gpus %v is less than the %v GPUs one replica needs (%s): its bundles would never fit one pod and the replica would never start; raise gpus or remove it (null: what the replica needs)" .name .have (.need | float64 | ceil) .why) -}}
+{{- fail (printf "workerGroups.%s.gpus %v is less than the %v GPUs one replica needs on a pod (%s): its bundles would never fit and the replica would never start; raise gpus or remove it (null: what the replica needs)" .name .have (.need | float64 | ceil) .why) -}}
 {{- end -}}
 {{- end -}}
 
