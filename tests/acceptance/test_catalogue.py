@@ -41,10 +41,11 @@ def full_metrics_text(draft_model="d", draft_replica="r1") -> str:
     table.update({"replica": "t1", "model_name": "tiny", "engine": SpecTotals(
         accepted_per_position=[1, 0]).snapshot(),
         "branches": {f"{draft_model}/{draft_replica}": {"branch_hits": 1}}}, now=100.0)
-    lines = [*prometheus_lines(stats, 100.0), *outcomes.prometheus_lines(),
-             *pools.prometheus_lines(pools.replica_counts({"target": {"RUNNING": 1}},
-                                                          {"target": (1, 1)})),
-             *table.prometheus_lines(now=100.0)]
+    kinds = {draft_model: "suffix"}
+    lines = [*prometheus_lines(stats, 100.0, kinds), *outcomes.prometheus_lines(),
+             *pools.prometheus_lines(pools.replica_counts(
+                 {"target": {"RUNNING": 1}}, {"target": (1, 1), draft_model: (1, 1)}, kinds)),
+             *table.prometheus_lines(now=100.0, kinds=kinds)]
     return "\n".join(lines) + "\n"
 
 
@@ -68,6 +69,26 @@ def test_a_label_value_with_quote_backslash_newline_keeps_the_scrape_parseable()
     models = {s.labels.get("draft_model") for f in text_string_to_metric_families(text)
               for s in f.samples}
     assert ODD in models
+
+
+def test_every_draft_series_has_its_pools_kind():
+    """A pool's kind (catalogue.kind_of) on each per-draft sample: the draft's
+    ("suffix", as configured), the target's, "none" for target-only requests."""
+    seen = {}
+    for f in text_string_to_metric_families(full_metrics_text()):
+        for s in f.samples:
+            pool = s.labels.get("draft_model", s.labels.get("pool"))
+            if pool is not None:
+                seen.setdefault(pool, set()).add(s.labels["kind"])
+    assert seen == {"d": {"suffix"}, "none": {"none"}, "target": {"target"}}
+
+
+def test_kind_of_a_pool():
+    kinds = {"llama-1b": "model", "sfx": "suffix"}
+    assert [catalogue.kind_of(p, kinds) for p in ("llama-1b", "sfx", "target", "none", "gone")] \
+        == ["model", "suffix", "target", "none", "unknown"]
+    # a draft pool named like a label keeps its configured kind
+    assert catalogue.kind_of("none", {"none": "model"}) == "model"
 
 
 def test_a_family_refuses_labels_the_catalogue_does_not_have():
