@@ -204,14 +204,24 @@ def ray_name(m: Metric) -> str:
     return m.name[: -len("_total")] if m.type == "counter" else m.name
 
 
+def series_labels() -> dict[str, tuple[str, ...]]:
+    """Every series a query can name (/metrics' and, with Ray's prefix, Ray's)
+    with the labels the catalogue gives it (`le` on a histogram's buckets; not
+    the labels a scrape or Ray's agent add, such as `job`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for m in CATALOGUE:
+        names = [f"ray_{s}" if m.source == "ray" else s for s in m.series]
+        if m.source == "ray" and m.type == "counter":  # Ray's exporter names both
+            names.append(f"ray_{ray_name(m)}")
+        for n in names:
+            n = n.replace(":", "_") if n.startswith("ray_") else n
+            out[n] = m.labels + (("le",) if n.endswith("_bucket") else ())
+    return out
+
+
 def series_names() -> set[str]:
     """Every series a query can name: /metrics' and, with Ray's prefix, Ray's."""
-    names: set[str] = set()
-    for m in CATALOGUE:
-        names |= {f"ray_{s}" if m.source == "ray" else s for s in m.series}
-        if m.source == "ray" and m.type == "counter":  # Ray's exporter names both
-            names.add(f"ray_{ray_name(m)}")
-    return {n.replace(":", "_") if n.startswith("ray_") else n for n in names}
+    return set(series_labels())
 
 
 DOC_BEGIN, DOC_END = "<!-- catalogue: begin -->", "<!-- catalogue: end -->"

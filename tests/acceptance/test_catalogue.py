@@ -20,7 +20,8 @@ from specserve.target.engine import SpecTotals
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from grafana import grafana_expressions, promql_metrics  # noqa: E402
+from grafana import (grafana_expressions, grafana_targets, legend_labels,  # noqa: E402
+                     promql_grouping, promql_labels, promql_metrics)
 
 ODD = 'we"ird\\name\nx'  # a draft name from gRPC metadata
 
@@ -112,6 +113,27 @@ def test_every_dashboard_query_names_catalogued_metrics():
         metrics, _ = promql_metrics(expr)
         assert metrics and metrics <= names, (expr, sorted(metrics - names))
     assert "specserve_branch_hits_total" in names and "specserve_no_such" not in names
+
+
+def test_every_dashboard_label_is_catalogued_and_pools_are_grouped_by_kind():
+    """Each label a query or legend names is a catalogued label of a metric it
+    queries (`job`: the scrape's); a panel per draft model or pool groups by
+    the pool's kind too, and its legend shows it."""
+    labels = catalogue.series_labels()
+    grouped_by_pool = 0
+    for t in grafana_targets():
+        expr = t["expr"]
+        metrics, _ = promql_metrics(expr)
+        known = set().union(*(labels[m] for m in metrics)) | {"job"}
+        used = promql_labels(expr) | legend_labels(t.get("legendFormat"))
+        assert used <= known, (expr, sorted(used - known))
+        for group in promql_grouping(expr):
+            if group & {"draft_model", "pool"} and "kind" in known:
+                grouped_by_pool += 1
+                assert "kind" in group, (expr, group)
+                assert "kind" in legend_labels(t.get("legendFormat")), t
+    assert grouped_by_pool >= 8
+    assert promql_labels('sum by (a) (x{b=~"q,{c}", d!="1"}) / on (e) y') == {"a", "b", "d", "e"}
 
 
 def test_docs_table_is_the_catalogues():
