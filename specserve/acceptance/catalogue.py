@@ -6,7 +6,8 @@ from an entry here), its Ray Serve metrics (`deployments.ops.ServeMetrics`,
 `specserve.control.autoscale`'s gauge),
 docs/metrics.md (the table between the `catalogue` markers is
 `markdown_table()`) and the chart's Grafana dashboard (a test holds every
-query's names against `series_names()`) come from it. Pure data: no I/O.
+query's names and labels against `series_labels()`) come from it. It also
+owns the `kind` label's values (`kind_of`). Pure data: no I/O.
 
 Names: counters are listed by their sample name (`..._total`), as PromQL
 queries them. `vllm:*` entries are vLLM's own engine metrics under vLLM's
