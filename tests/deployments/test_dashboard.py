@@ -2,8 +2,8 @@
 an API key, a draft model pool that autoscales beside a suffix pool): it asks
 for the key, then shows the same figures as /v1/spec/stats (acceptance per
 draft and per position, coverage, K, tokens/s, TTFT/TPOT, replicas per pool,
-autoscaling decisions, each pool's kind as a badge), and a screenshot is saved (also to out/dashboard.png for people to look at).
-/metrics carries every specserve_* metric the Grafana dashboard of the Helm
+autoscaling decisions, each pool's kind as a badge), and a screenshot is
+saved (also to out/dashboard.png for people to look at). /metrics carries every specserve_* metric the Grafana dashboard of the Helm
 chart queries, and the replica counts per pool; a real Prometheus (Debian's
 package, `make prometheus`) scrapes it, every dashboard expression over the
 router's metrics returns data, and the figures agree with /v1/spec/stats."""
@@ -56,17 +56,18 @@ def app(tiny_models, tmp_path_factory):
             assert server.proc.poll() is None, server.tail()
             assert time.monotonic() < deadline, server.tail()
             time.sleep(2)
-        # Figures to show: requests until the draft pool has drafted (a CPU
-        # draft that also pre-drafts branches can miss the first short ones).
-        for i in range(24):
+        # Figures to show: requests until the model pool has 4 requests and has
+        # drafted (a CPU draft that also pre-drafts branches can miss the first
+        # short ones). The two pools take turns while both are measured.
+        for i in range(48):
             status, body = post(f"{server.url}/v1/completions",
                                 {"model": "tiny", "prompt": f"Dashboard {i}", "max_tokens": 24,
                                  "temperature": 0, "ignore_eos": True}, AUTH)
             assert status == 200, body
-            if i >= 3:
+            if i >= 7:
                 _, snap = get(f"{server.url}/v1/spec/stats", AUTH)
-                drafted = {m["model"]: m["draft_tokens"] for m in snap["draft_models"]}
-                if drafted.get("same", 0) > 0:
+                same = {m["model"]: m for m in snap["draft_models"]}.get("same", {})
+                if same.get("requests", 0) >= 4 and same.get("draft_tokens", 0) > 0:
                     break
         server.remember_children()
         yield server
