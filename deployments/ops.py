@@ -40,8 +40,9 @@ class ServeMetrics:
     kinds: AppConfig.draft_kinds() (the `kind` tag)."""
 
     def __init__(self, kinds: dict[str, str]):
-        self.kinds = kinds
         from ray.serve.metrics import Counter, Histogram
+
+        self.kinds = kinds
 
         def made(name):
             m = catalogue.RAY[name]
@@ -85,9 +86,10 @@ class OpsViews:
                  kinds: dict[str, str], serve_status=None, decisions=None, metrics=None,
                  running_targets=None):
         """kinds: AppConfig.draft_kinds(), every view's `kind` of a pool
-        (catalogue.kind_of); serve_status(): the Serve app's {deployment: {state: count}} (default:
-        from `serve.status()`); decisions(): awaitable, the autoscaling decisions
-        (default: `specserve.control.pools.fetch`, from Ray); metrics: a
+        (catalogue.kind_of); serve_status(): the Serve app's {deployment:
+        {state: count}} (default: from `serve.status()`); decisions():
+        awaitable, the autoscaling decisions (default:
+        `specserve.control.pools.fetch`, from Ray); metrics: a
         ServeMetrics or None; running_targets(): the ids of the running target
         replicas, or None when unknown (default: from Serve's details)."""
         self.stats = stats
@@ -146,7 +148,9 @@ class OpsViews:
             return await asyncio.wait_for(asyncio.shield(self._pools_task), REMOTE_WAIT_S)
         except Exception as e:  # the figures are for people; never fail a view
             log.warning("serve status unavailable: %s", e or type(e).__name__)
-            return rows if at > float("-inf") else pools.replica_counts({}, self.bounds, self.kinds)
+            if at > float("-inf"):
+                return rows
+            return pools.replica_counts({}, self.bounds, self.kinds)
 
     async def _refresh_pools(self) -> list[dict]:
         at = time.time()

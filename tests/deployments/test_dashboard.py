@@ -3,8 +3,9 @@ an API key, a draft model pool that autoscales beside a suffix pool): it asks
 for the key, then shows the same figures as /v1/spec/stats (acceptance per
 draft and per position, coverage, K, tokens/s, TTFT/TPOT, replicas per pool,
 autoscaling decisions, each pool's kind as a badge), and a screenshot is
-saved (also to out/dashboard.png for people to look at). /metrics carries every specserve_* metric the Grafana dashboard of the Helm
-chart queries, and the replica counts per pool; a real Prometheus (Debian's
+saved (also to out/dashboard.png for people to look at). /metrics carries
+every specserve_* metric the Grafana dashboard of the Helm chart queries,
+and the replica counts per pool; a real Prometheus (Debian's
 package, `make prometheus`) scrapes it, every dashboard expression over the
 router's metrics returns data, and the figures agree with /v1/spec/stats."""
 
