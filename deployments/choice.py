@@ -49,7 +49,8 @@ class DraftChoice:
         self.replicas = {d.name: max(d.replicas.max_replicas, 1) for d in config.drafts}
         self.target_replicas = max(t.replicas.max_replicas, 1)
         self.controller.configure(self.k_max, self.replicas,
-                                  config.speculation.k_control.thresholds())
+                                  config.speculation.k_control.thresholds(),
+                                  config.draft_kinds())
 
     # ---- requests in flight ---------------------------------------------------
 
@@ -86,17 +87,18 @@ class DraftChoice:
 
     # ---- the decision -------------------------------------------------------------
 
-    def choose(self) -> policy.Choice:
+    def choose(self, waits: dict[str, float] | None = None) -> policy.Choice:
         """Draft pool and K for the next request (the K controller), from measured
-        acceptance, coverage and the target's measured step cost (modelled from
-        load until the target has measured it)."""
+        acceptance, coverage, the target's measured step cost (modelled from
+        load until the target has measured it) and `waits`, each pool's
+        measured wait per step in seconds (specserve.acceptance.branches.pool_waits)."""
         measured = self.step_cost()
         cost = (policy.StepCost(measured["fixed_s"], measured["per_token_s"])
                 if measured is not None else None)
         # decode rows per target replica, this request included
         rows = (sum(self.inflight.values()) + 1) / self.target_replicas
         choice = self.controller.choose(self.stats.by_model, self.inflight, self.load(),
-                                        cost, rows)
+                                        cost, rows, waits)
         self.stats.current_k.update(self.controller.current_k)
         return choice
 

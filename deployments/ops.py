@@ -36,10 +36,13 @@ POOLS_CACHE_S = 2.0
 class ServeMetrics:
     """The same figures as ray.serve.metrics (exported by Ray's metrics agent
     with a `ray_` prefix), for clusters that scrape Ray rather than /metrics.
-    Names, help, tags and buckets are the catalogue's `source="ray"` entries."""
+    Names, help, tags and buckets are the catalogue's `source="ray"` entries;
+    kinds: AppConfig.draft_kinds() (the `kind` tag)."""
 
-    def __init__(self):
+    def __init__(self, kinds: dict[str, str]):
         from ray.serve.metrics import Counter, Histogram
+
+        self.kinds = kinds
 
         def made(name):
             m = catalogue.RAY[name]
@@ -54,8 +57,9 @@ class ServeMetrics:
         self.tpot = made("specserve_tpot_seconds")
 
     def observe(self, r: RequestRecord) -> None:
-        tags = {"draft_model": r.report.draft_model or "none",
-                "draft_replica": r.report.draft_replica or "none"}
+        model = r.report.draft_model or catalogue.NO_DRAFT
+        tags = {"draft_model": model, "draft_replica": r.report.draft_replica or "none",
+                "kind": catalogue.kind_of(model, self.kinds)}
         a = r.acceptance
         for counter, value in ((self.draft_tokens, a.draft_tokens),
                                (self.accepted_tokens, a.accepted_tokens),
@@ -79,16 +83,20 @@ async def _within(awaitable, what: str):
 
 class OpsViews:
     def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
-                 serve_status=None, decisions=None, metrics=None, running_targets=None):
-        """serve_status(): the Serve app's {deployment: {state: count}} (default:
-        from `serve.status()`); decisions(): awaitable, the autoscaling decisions
-        (default: `specserve.control.pools.fetch`, from Ray); metrics: a
+                 kinds: dict[str, str], serve_status=None, decisions=None, metrics=None,
+                 running_targets=None):
+        """kinds: AppConfig.draft_kinds(), every view's `kind` of a pool
+        (catalogue.kind_of); serve_status(): the Serve app's {deployment:
+        {state: count}} (default: from `serve.status()`); decisions():
+        awaitable, the autoscaling decisions (default:
+        `specserve.control.pools.fetch`, from Ray); metrics: a
         ServeMetrics or None; running_targets(): the ids of the running target
         replicas, or None when unknown (default: from Serve's details)."""
         self.stats = stats
         self.choice = choice
         self.target = target
         self.bounds = bounds
+        self.kinds = kinds
         self.metrics = metrics
         self._serve_status = serve_status or _serve_deployments
         self._running_targets = running_targets or _running_target_replicas
@@ -107,6 +115,11 @@ class OpsViews:
     def replica_report(self, report: dict) -> None:
         """A target replica's figures (TargetServer.metrics_report)."""
         self.replicas.update(report, time.time())
+
+    def pool_waits(self) -> dict[str, float]:
+        """Each draft pool's wait per step (seconds), from what the target
+        replicas last reported (for the K choice)."""
+        return branches.pool_waits(self.replicas.branch_totals(time.time()))
 
     async def _refresh_replica(self) -> str | None:
         """Ask one target replica (Serve's choice) for its figures; None, or
@@ -135,7 +148,9 @@ class OpsViews:
             return await asyncio.wait_for(asyncio.shield(self._pools_task), REMOTE_WAIT_S)
         except Exception as e:  # the figures are for people; never fail a view
             log.warning("serve status unavailable: %s", e or type(e).__name__)
-            return rows if at > float("-inf") else pools.replica_counts({}, self.bounds)
+            if at > float("-inf"):
+                return rows
+            return pools.replica_counts({}, self.bounds, self.kinds)
 
     async def _refresh_pools(self) -> list[dict]:
         at = time.time()
@@ -143,12 +158,12 @@ class OpsViews:
         running = await asyncio.to_thread(self._running_targets)
         if running is not None:
             self.replicas.set_running(running, at)
-        rows = pools.replica_counts(deployments, self.bounds)
+        rows = pools.replica_counts(deployments, self.bounds, self.kinds)
         self._pools = (time.monotonic(), rows)
         return rows
 
     async def stats_json(self) -> dict:
-        snap = self.stats.snapshot(time.time())
+        snap = self.stats.snapshot(time.time(), self.kinds)
         c = self.choice
         snap["load"] = c.load()
         snap["last_choice"] = c.last_choice.reason if c.last_choice else None
@@ -172,7 +187,8 @@ class OpsViews:
         # replicas that reported: branch hit rate, coverage after an accepted
         # step vs after a rejection, wait per step.
         per_draft = self.replicas.branch_totals(time.time())
-        snap["branches"] = ({d: branches.figures(c) for d, c in sorted(per_draft.items())}
+        snap["branches"] = ({d: {"kind": catalogue.kind_of(branches.split(d)[0], self.kinds),
+                                 **branches.figures(c)} for d, c in sorted(per_draft.items())}
                             if per_draft or missing is None else missing)
         # Target replicas: those that reported (their rows on /metrics) and
         # those Serve runs (null where Serve cannot say).
@@ -192,9 +208,10 @@ class OpsViews:
         await self._refresh_replica()
         self.stats.prune(now)
         self.replicas.prune(now)
-        lines = [*prometheus_lines(self.stats, now), *self.outcomes.prometheus_lines(),
+        lines = [*prometheus_lines(self.stats, now, self.kinds),
+                 *self.outcomes.prometheus_lines(),
                  *pools.prometheus_lines(await self.pool_rows()),
-                 *self.replicas.prometheus_lines(now)]
+                 *self.replicas.prometheus_lines(now, self.kinds)]
         return "\n".join(lines) + "\n"
 
 

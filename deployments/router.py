@@ -230,8 +230,9 @@ class Router:
         self.timeout_s = self.config.quotas.request_timeout_s
         self.stats = SpecStats(self.config.speculation.num_speculative_tokens)
         self.choice = DraftChoice(self.config, target, draft_names, self.stats)
-        self.ops = OpsViews(self.stats, self.choice, target, _bounds(self.config),
-                            metrics=ServeMetrics() if serve_metrics else None)
+        kinds = self.config.draft_kinds()
+        self.ops = OpsViews(self.stats, self.choice, target, _bounds(self.config), kinds,
+                            metrics=ServeMetrics(kinds) if serve_metrics else None)
 
     def reconfigure(self, live: dict) -> None:
         """The live settings (`specserve.config.live`: K, the K controller's
@@ -358,7 +359,7 @@ class Router:
         choice = None
         pool, k = None, 0
         if generates:  # 2.
-            choice = self.choice.choose()
+            choice = self.choice.choose(self.ops.pool_waits())
             pool, k = choice.pool, choice.k
         headers = [(key, v) for key, v in request.headers.items() if key not in _HOP_HEADERS]
         self.choice.acquire(pool)

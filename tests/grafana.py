@@ -33,6 +33,31 @@ def promql_metrics(expr: str) -> tuple[set[str], set[str]]:
     return metrics, functions
 
 
+GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
+
+
+def promql_grouping(expr: str) -> list[set[str]]:
+    """The label sets of an expression's by / without / on / ignoring clauses."""
+    return [{x.strip() for x in g.split(",") if x.strip()} for g in GROUPING.findall(expr)]
+
+
+def promql_labels(expr: str) -> set[str]:
+    """Every label an expression names: in its clauses and its label matchers."""
+    labels = set().union(*promql_grouping(expr))
+    for matchers in re.findall(r"\{([^}]*)\}", re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)):
+        labels |= set(re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", matchers))
+    return labels
+
+
+def legend_labels(legend: str) -> set[str]:
+    return set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend or ""))
+
+
+def grafana_targets() -> list[dict]:
+    """Every panel target (expr, legendFormat) of the dashboard."""
+    return [t for p in dashboard()["panels"] for t in p["targets"]]
+
+
 @lru_cache(maxsize=1)
 def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text(encoding="utf-8"))

@@ -38,6 +38,27 @@ COUNTERS = (
 WAIT = ("waits", "wait_seconds", "steps")
 
 
+def split(draft: str) -> tuple[str, str]:
+    """(pool, replica) of a draft's key "model/replica"; ("name", "?") for a
+    key without a replica."""
+    model, _, replica = draft.rpartition("/")
+    return (model, replica) if model else (draft, "?")
+
+
+def pool_waits(per_draft: dict[str, dict]) -> dict[str, float]:
+    """Seconds per step the proposer held the target's steps for each pool's
+    drafts (the bounded wait): wait_seconds / steps, both added up over the
+    pool's replicas. The step cost a pool adds on top of a + b · tokens
+    (specserve.control.policy); pools with no steps counted are left out."""
+    seconds: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for draft, c in per_draft.items():
+        pool = split(draft)[0]
+        seconds[pool] = seconds.get(pool, 0.0) + c.get("wait_seconds", 0.0)
+        steps[pool] = steps.get(pool, 0) + c.get("steps", 0)
+    return {pool: seconds[pool] / n for pool, n in steps.items() if n > 0}
+
+
 def minus(after: dict, before: dict) -> dict:
     """Counters over a span: after - before, per key (missing before: 0)."""
     return {k: v - before.get(k, 0) for k, v in after.items()}

@@ -6,7 +6,8 @@ from an entry here), its Ray Serve metrics (`deployments.ops.ServeMetrics`,
 `specserve.control.autoscale`'s gauge),
 docs/metrics.md (the table between the `catalogue` markers is
 `markdown_table()`) and the chart's Grafana dashboard (a test holds every
-query's names against `series_names()`) come from it. Pure data: no I/O.
+query's names and labels against `series_labels()`) come from it. It also
+owns the `kind` label's values (`kind_of`). Pure data: no I/O.
 
 Names: counters are listed by their sample name (`..._total`), as PromQL
 queries them. `vllm:*` entries are vLLM's own engine metrics under vLLM's
@@ -29,9 +30,28 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                  50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-DRAFT = ("draft_model", "draft_replica")
+DRAFT = ("draft_model", "draft_replica", "kind")  # kind: kind_of(draft_model)
 TARGET = ("target_replica",)
 VLLM = ("model_name", "engine", "target_replica")  # vLLM's labels + which replica
+
+
+# The `kind` label of a pool: a draft pool's kind (AppConfig.draft_kinds),
+# "target" for the target pool, "none" for requests the target ran alone (their
+# draft_model label is "none").
+TARGET_POOL, NO_DRAFT = "target", "none"
+
+
+def kind_of(pool: str, kinds: dict[str, str]) -> str:
+    """The `kind` label of a pool: "model" or "suffix" for a draft pool in
+    `kinds` (AppConfig.draft_kinds()), "target", "none" (no draft), else
+    "unknown" (a name the config does not hold, e.g. a pool since removed)."""
+    if pool in kinds:
+        return kinds[pool]
+    if pool == TARGET_POOL:
+        return "target"
+    if pool == NO_DRAFT:
+        return "none"
+    return "unknown"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +102,8 @@ CATALOGUE: tuple[Metric, ...] = (
     _c("specserve_requests_total", "Finished requests.", DRAFT),
     _c("specserve_accepted_per_position_total",
        "Accepted drafted tokens by position in the draft.", DRAFT + ("position",)),
-    _g("specserve_k", "Current number of speculative tokens per draft model.", ("draft_model",)),
+    _g("specserve_k", "Current number of speculative tokens per draft model.",
+       ("draft_model", "kind")),
     _g("specserve_draft_lag_tokens",
        "Tokens a draft replica was behind the verified position, recently.", DRAFT),
     _h("specserve_ttft_seconds", "Time to first token of finished requests (router).",
@@ -101,7 +122,7 @@ CATALOGUE: tuple[Metric, ...] = (
     _g("specserve_http_inflight", "HTTP requests in flight in this router.", ("route",)),
     # -- Serve's pools (specserve.control.pools) --------------------------------
     _g("specserve_pool_replicas", "Running replicas per pool (target or draft model).",
-       ("pool",)),
+       ("pool", "kind")),
     # -- per target replica, from its engine and draft sink --------------------
     _g("specserve_target_batch_size", "Running requests in the target engine.", TARGET,
        "target"),
@@ -184,14 +205,24 @@ def ray_name(m: Metric) -> str:
     return m.name[: -len("_total")] if m.type == "counter" else m.name
 
 
+def series_labels() -> dict[str, tuple[str, ...]]:
+    """Every series a query can name (/metrics' and, with Ray's prefix, Ray's)
+    with the labels the catalogue gives it (`le` on a histogram's buckets; not
+    the labels a scrape or Ray's agent add, such as `job`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for m in CATALOGUE:
+        names = [f"ray_{s}" if m.source == "ray" else s for s in m.series]
+        if m.source == "ray" and m.type == "counter":  # Ray's exporter names both
+            names.append(f"ray_{ray_name(m)}")
+        for n in names:
+            n = n.replace(":", "_") if n.startswith("ray_") else n
+            out[n] = m.labels + (("le",) if n.endswith("_bucket") else ())
+    return out
+
+
 def series_names() -> set[str]:
     """Every series a query can name: /metrics' and, with Ray's prefix, Ray's."""
-    names: set[str] = set()
-    for m in CATALOGUE:
-        names |= {f"ray_{s}" if m.source == "ray" else s for s in m.series}
-        if m.source == "ray" and m.type == "counter":  # Ray's exporter names both
-            names.add(f"ray_{ray_name(m)}")
-    return {n.replace(":", "_") if n.startswith("ray_") else n for n in names}
+    return set(series_labels())
 
 
 DOC_BEGIN, DOC_END = "<!-- catalogue: begin -->", "<!-- catalogue: end -->"

@@ -11,11 +11,13 @@ the exported counters:
                       (rate(specserve_ttft_seconds_bucket[$__rate_interval])))
   tokens/s:         sum(rate(specserve_output_tokens_total[$__rate_interval]))
 Label sets are bounded: draft models and replicas (pruned after
-SpecStats.grace_s without requests), positions < K.
+SpecStats.grace_s without requests), positions < K; `kind` is the pool's
+(catalogue.kind_of), one per draft model.
 """
 
 from __future__ import annotations
 
+from specserve.acceptance.catalogue import NO_DRAFT, kind_of
 from specserve.acceptance.exposition import family, histogram_family
 from specserve.acceptance.stats import SpecStats
 
@@ -29,23 +31,25 @@ _COUNTERS = [
 ]
 
 
-def _draft(m: str, rep: str) -> dict:
-    return {"draft_model": m, "draft_replica": rep}
-
-
-def prometheus_lines(stats: SpecStats, now: float) -> list[str]:
+def prometheus_lines(stats: SpecStats, now: float, kinds: dict[str, str]) -> list[str]:
     """The same figures as /v1/spec/stats: counters and histograms since start
     (rates and quantiles are Prometheus' to compute); gauges of draft replicas
-    with a request lately (`now`: the records' clock)."""
+    with a request lately (`now`: the records' clock). kinds:
+    AppConfig.draft_kinds()."""
+
+    def _draft(m: str, rep: str) -> dict:
+        return {"draft_model": m, "draft_replica": rep, "kind": kind_of(m, kinds)}
+
     rows = sorted(stats.by_replica.items())
     lines: list[str] = []
     for attr, name in _COUNTERS:
         lines += family(name, [*((_draft(m, rep), getattr(f, attr)) for (m, rep), f in rows),
-                               (_draft("none", "none"), getattr(stats.target_only, attr))])
+                               (_draft(NO_DRAFT, "none"), getattr(stats.target_only, attr))])
     lines += family("specserve_accepted_per_position_total",
                     [({**_draft(m, rep), "position": i}, v) for (m, rep), f in rows
                      for i, v in enumerate(f.accepted_per_position)])
-    lines += family("specserve_k", [({"draft_model": m}, stats.current_k.get(m, stats.k))
+    lines += family("specserve_k", [({"draft_model": m, "kind": kind_of(m, kinds)},
+                                     stats.current_k.get(m, stats.k))
                                     for m in sorted(stats.by_model)])
     lines += family("specserve_draft_lag_tokens",
                     [(_draft(m, rep), lag)
@@ -56,5 +60,5 @@ def prometheus_lines(stats: SpecStats, now: float) -> list[str]:
     return lines
 
 
-def prometheus_text(stats: SpecStats, now: float) -> str:
-    return "\n".join(prometheus_lines(stats, now)) + "\n"
+def prometheus_text(stats: SpecStats, now: float, kinds: dict[str, str]) -> str:
+    return "\n".join(prometheus_lines(stats, now, kinds)) + "\n"

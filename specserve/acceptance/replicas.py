@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from specserve.acceptance import branches
+from specserve.acceptance.catalogue import kind_of
 from specserve.acceptance.exposition import family, histogram_family
 
 # A replica's rows (here, and the draft replicas' in SpecStats) leave after
@@ -85,26 +86,28 @@ class ReplicaTable:
                 per_draft.setdefault(draft, []).append(c)
         return {d: branches.total(dict(enumerate(cs))) for d, cs in per_draft.items()}
 
-    def prometheus_lines(self, now: float) -> list[str]:
+    def prometheus_lines(self, now: float, kinds: dict[str, str]) -> list[str]:
+        """kinds: AppConfig.draft_kinds() (the book counters' `kind` label)."""
         counted, live = self._counted(now), self._live(now)
         lines = family("specserve_target_batch_size",
                        [({"target_replica": r}, rep["engine"]["running"]) for r, rep in live])
         lines += family("specserve_target_queue_length",
                         [({"target_replica": r}, rep["engine"]["waiting"]) for r, rep in live])
-        lines += _branch_lines(counted)
+        lines += _branch_lines(counted, kinds)
         lines += _vllm_lines(counted, live)
         return lines
 
 
-def _branch_lines(rows: list[tuple[str, dict]]) -> list[str]:
+def _branch_lines(rows: list[tuple[str, dict]], kinds: dict[str, str]) -> list[str]:
     lines: list[str] = []
     for key, name in branches.PROMETHEUS:
         samples = []
         for target, rep in rows:
             for draft, c in sorted(rep.get("branches", {}).items()):
-                model, _, replica = draft.rpartition("/")
-                samples.append(({"target_replica": target, "draft_model": model or draft,
-                                 "draft_replica": replica if model else "?"}, c.get(key, 0)))
+                model, replica = branches.split(draft)
+                samples.append(({"target_replica": target, "draft_model": model,
+                                 "draft_replica": replica, "kind": kind_of(model, kinds)},
+                                c.get(key, 0)))
         lines += family(name, samples)
     return lines
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from specserve.acceptance.catalogue import ITL_BUCKETS_S, TTFT_BUCKETS_S
+from specserve.acceptance.catalogue import ITL_BUCKETS_S, TTFT_BUCKETS_S, kind_of
 from specserve.acceptance.record import Acceptance, Figures, TargetReport, percentile
 from specserve.acceptance.replicas import GRACE_S, LIVE_S
 
@@ -155,11 +155,15 @@ class SpecStats:
         return sum(r.output_tokens for r in self.recent
                    if r.report.target_replica == replica and now - r.finished_at <= horizon_s) / horizon_s
 
-    def snapshot(self, now: float) -> dict:
-        drafts = [{"model": m, "replica": rep, "k": self.current_k.get(m, self.k),
+    def snapshot(self, now: float, kinds: dict[str, str]) -> dict:
+        """/v1/spec/stats' acceptance part; kinds: AppConfig.draft_kinds() (each
+        row's `kind`, catalogue.kind_of)."""
+        drafts = [{"model": m, "replica": rep, "kind": kind_of(m, kinds),
+                   "k": self.current_k.get(m, self.k),
                    "draft_lag": self.draft_lag.get((m, rep)), **f.as_dict()}
                   for (m, rep), f in sorted(self.by_replica.items())]
-        models = [{"model": m, "replica": "*", "k": self.current_k.get(m, self.k),
+        models = [{"model": m, "replica": "*", "kind": kind_of(m, kinds),
+                   "k": self.current_k.get(m, self.k),
                    **f.as_dict()} for m, f in sorted(self.by_model.items())]
         targets = [{"replica": t, **f.as_dict(), **self.target_live.get(t, {}),
                     "output_tokens_per_s": self._target_rate(t, now)}

@@ -485,6 +485,11 @@ class AppConfig(_Strict):
         # added to a K=0 config).
         return AppConfig.from_dict(data, source="command line")
 
+    def draft_kinds(self) -> dict[str, str]:
+        """Each draft pool's kind ("model" or "suffix") by pool name: the one map
+        the router, its views and the K choice read a pool's kind from."""
+        return {d.name: d.kind for d in self.drafts}
+
     def lookahead_tokens(self) -> int:
         """The effective W (lookahead, or 2K + 1 when unset)."""
         return self.speculation.lookahead_tokens()

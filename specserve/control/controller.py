@@ -9,7 +9,8 @@ bench's `specserve` system, the GPU check) both decide with one of these, so
 the same figures give the same decision everywhere.
 
 Pure: fed with numbers (acceptance `Figures` per pool, requests in flight,
-the target's measured step cost), no Ray, no clock.
+the target's measured step cost, each pool's measured wait per step), no Ray,
+no clock.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 
+from specserve.acceptance.catalogue import kind_of
 from specserve.acceptance.record import Figures
 from specserve.control import policy
 
@@ -25,10 +27,13 @@ log = logging.getLogger(__name__)
 
 class KController:
     def __init__(self, k_max: int, pools: dict[str, int],
-                 thresholds: policy.Thresholds = policy.Thresholds()):
-        """k_max: the target's K; pools: draft pool name -> its replicas."""
+                 thresholds: policy.Thresholds = policy.Thresholds(),
+                 kinds: dict[str, str] | None = None):
+        """k_max: the target's K; pools: draft pool name -> its replicas; kinds:
+        AppConfig.draft_kinds() (shown with each pool's inputs)."""
         self.k_max = k_max
         self.pools = dict(pools)
+        self.kinds = dict(kinds or {})
         self.thresholds = thresholds
         self.turn = 0
         self.last: policy.Choice | None = None
@@ -41,22 +46,27 @@ class KController:
         self.decisions: collections.Counter = collections.Counter()
 
     def configure(self, k_max: int, pools: dict[str, int],
-                  thresholds: policy.Thresholds) -> None:
+                  thresholds: policy.Thresholds, kinds: dict[str, str] | None = None) -> None:
         """New settings while running (the live config): K, replicas per pool,
-        thresholds. What was measured and the probe spacing are kept."""
+        thresholds, kinds. What was measured and the probe spacing are kept."""
         self.k_max, self.pools, self.thresholds = k_max, dict(pools), thresholds
+        self.kinds = dict(kinds or {})
         for name in self.pools:
             self.idle.setdefault(name, 0)
             self.probes.setdefault(name, 0)
 
     def choose(self, figures: dict[str, Figures], inflight: dict[str | None, int], load: float,
-               cost: policy.StepCost | None = None, rows: float = 1.0) -> policy.Choice:
+               cost: policy.StepCost | None = None, rows: float = 1.0,
+               waits: dict[str, float] | None = None) -> policy.Choice:
         """Pool and K for the next request.
 
         figures: acceptance per pool so far; inflight: requests using each pool
         now (None: the target alone); load: share of the target's sequence slots
         in use (the model stands in for the step cost until `cost` is measured);
-        rows: decode rows per target replica with this request."""
+        rows: decode rows per target replica with this request; waits: seconds
+        per step the target held for each pool's drafts
+        (specserve.acceptance.branches.pool_waits; a pool not in it: unmeasured, 0)."""
+        waits = waits or {}
         th = self.thresholds
         views = []
         for name, replicas in self.pools.items():
@@ -64,8 +74,8 @@ class KController:
             views.append(policy.PoolView(
                 name=name, draft_tokens=f.draft_tokens, alpha=f.alpha, coverage=f.coverage,
                 requests=f.requests, inflight=inflight.get(name, 0), replicas=replicas,
-                steps=f.steps,
-                idle=self.idle[name], probes=self.probes[name]))
+                steps=f.steps, idle=self.idle[name], probes=self.probes[name],
+                wait_s=waits.get(name, 0.0)))
         if cost is None:
             rows = 1.0
         choice = policy.choose(views, self.k_max, load, self.turn, cost, rows, th)
@@ -80,8 +90,11 @@ class KController:
             k = policy.pool_k(v, self.k_max, load, cost, rows, th)
             self.current_k[v.name] = k
             per_pool[v.name] = {
-                "k": k, "alpha": v.alpha, "coverage": v.coverage,
-                "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows, v.coverage)}
+                "kind": kind_of(v.name, self.kinds), "k": k, "alpha": v.alpha,
+                "coverage": v.coverage,
+                "wait_ms_per_step": waits[v.name] * 1e3 if v.name in waits else None,
+                "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows, v.coverage,
+                                                    v.wait_s)}
         self.inputs = {"step_cost": (None if cost is None else
                                      {"fixed_s": cost.fixed, "per_token_s": cost.per_token}),
                        "cost_source": "measured" if cost is not None else "modelled",

@@ -6,14 +6,17 @@ decides with it for the Serve router and for LocalSpec alike.
 
 A verify step over r decode rows, each with K drafted tokens, costs
 
-    step_seconds = a + b · tokens,   tokens = r · (1 + cov · K)
+    step_seconds = a + b · tokens + w,   tokens = r · (1 + cov · K)
 
-(a: fixed cost per step, b: cost per processed token; `StepCost`). A row whose
+(a: fixed cost per step, b: cost per processed token; `StepCost`; w: the
+seconds per step the proposer held the target's steps for this pool's drafts,
+the bounded wait, as measured per pool: `PoolView.wait_s`; 0 at K = 0, where
+nothing is drafted). A row whose
 drafts were waiting (share `cov`, the coverage, of its steps) emits on average
 E(α, K) = (1 − α^(K+1)) / (1 − α) tokens (Leviathan et al.; α the measured
 per-token acceptance), the others one, so the target's output rate is
 
-    rate(K) = r · (1 + cov · (E(α, K) − 1)) / (a + b · r · (1 + cov · K))
+    rate(K) = r · (1 + cov · (E(α, K) − 1)) / (a + b · r · (1 + cov · K) + w)
 
 and speedup(K) = rate(K) / rate(0). The draft runs on other hardware, so its
 own cost does not slow the target; it only limits coverage.
@@ -22,7 +25,8 @@ a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fe
 vLLM's step timing). Before they are, the model stands in: one row, and a
 verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
 the target is memory-bound, 1 when it is saturated): a = 1 − v, b = v, which
-gives speedup = E(α, K) / (1 + v K) at full coverage. A measured b is never
+gives speedup = E(α, K) / (1 + v K) at full coverage; w, in seconds, enters
+only next to a measured a and b (the modelled cost has no seconds). A measured b is never
 counted below V_IDLE of a one-row step (a + b): speculation has per-token work
 the target's step timing does not see (proposals through the sink, the draft
 pool's time, rejected tokens), so a draft that is almost never accepted does
@@ -85,30 +89,35 @@ def modelled_cost(load: float, v_idle: float = V_IDLE) -> StepCost:
 
 
 def predicted_rate(alpha: float, coverage: float, k: int, rows: float, a: float,
-                   b: float) -> float:
-    """Output tokens per second of the target with r rows speculating K."""
+                   b: float, wait: float = 0.0) -> float:
+    """Output tokens per second of the target with r rows speculating K; `wait`:
+    seconds per step held for drafts (none at K = 0)."""
     tokens = rows * (1.0 + coverage * (expected_tokens(alpha, k) - 1.0))
-    return tokens / max(a + b * rows * (1.0 + coverage * k), 1e-12)
+    held = wait if k > 0 else 0.0
+    return tokens / max(a + b * rows * (1.0 + coverage * k) + held, 1e-12)
 
 
 def speedup(alpha: float, k: int, load: float = 0.0, cost: StepCost | None = None,
-            rows: float = 1.0, coverage: float = 1.0) -> float:
-    """rate(K) / rate(0), with the measured cost, or the modelled one for `load`."""
+            rows: float = 1.0, coverage: float = 1.0, wait_s: float = 0.0) -> float:
+    """rate(K) / rate(0), with the measured cost and the pool's wait per step
+    `wait_s`, or the modelled cost for `load` (which has no seconds: wait_s unused)."""
     if cost is None:
         cost, rows = modelled_cost(load), 1.0
+    wait = wait_s if cost.measured else 0.0
     # b >= V_IDLE · (a + b): a verified token costs at least V_IDLE of a one-row step
     a, b = cost.fixed, max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
-    return (predicted_rate(alpha, coverage, k, rows, a, b)
+    return (predicted_rate(alpha, coverage, k, rows, a, b, wait)
             / predicted_rate(alpha, coverage, 0, rows, a, b))
 
 
 def choose_k(alpha: float, k_max: int, load: float = 0.0, cost: StepCost | None = None,
-             rows: float = 1.0, coverage: float = 1.0, margin: float = 0.0) -> int:
+             rows: float = 1.0, coverage: float = 1.0, margin: float = 0.0,
+             wait_s: float = 0.0) -> int:
     """The K in 0..k_max with the best predicted rate (ties: the smaller K); K > 0
     only when it beats K = 0 by `margin`. cost None: modelled from load."""
     best_k, best = 0, 1.0
     for k in range(1, k_max + 1):
-        s = speedup(alpha, k, load, cost, rows, coverage)
+        s = speedup(alpha, k, load, cost, rows, coverage, wait_s)
         if s > best + 1e-9:
             best_k, best = k, s
     return best_k if best >= 1.0 + margin else 0
@@ -128,6 +137,7 @@ class PoolView:
     replicas: int = 1
     idle: int = 0  # requests routed since this pool last ran one at K > 0
     probes: int = 0  # probes since its figures last gave it K > 0
+    wait_s: float = 0.0  # seconds per step the target held for its drafts (measured)
 
 
 def probe_gap(probes: int, th: Thresholds = Thresholds()) -> int:
@@ -154,7 +164,7 @@ def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,
     and coverage against the target's step cost (measured, or modelled from load)."""
     if is_fresh(p, th):
         return k_max
-    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, th.margin)
+    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, th.margin, p.wait_s)
 
 
 def describe_cost(cost: StepCost | None, load: float, rows: float) -> str:
@@ -195,7 +205,7 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
 
     def value(p: PoolView) -> tuple[float, int]:
         k = pool_k(p, k_max, load, cost, rows, th)
-        gain = speedup(p.alpha, k, load, cost, rows, p.coverage) - 1.0
+        gain = speedup(p.alpha, k, load, cost, rows, p.coverage, p.wait_s) - 1.0
         busy = p.inflight / max(p.replicas, 1)
         return gain / (1.0 + 0.05 * busy), k
 

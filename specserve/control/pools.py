@@ -21,6 +21,7 @@ import dataclasses
 import logging
 from collections import deque
 
+from specserve.acceptance.catalogue import kind_of
 from specserve.acceptance.exposition import family
 
 log = logging.getLogger("specserve.control.pools")
@@ -65,13 +66,15 @@ def pool_name(deployment: str) -> str | None:
 
 
 def replica_counts(deployments: dict[str, dict[str, int]],
-                   bounds: dict[str, tuple[int, int]]) -> list[dict]:
-    """One row per pool: replicas by Serve state (RUNNING, STARTING, ...),
-    `running`, and the configured bounds.
+                   bounds: dict[str, tuple[int, int]],
+                   kinds: dict[str, str]) -> list[dict]:
+    """One row per pool: its `kind` (catalogue.kind_of), replicas by Serve
+    state (RUNNING, STARTING, ...), `running`, and the configured bounds.
 
     deployments: deployment name -> {state: count} (Serve's replica_states);
-    bounds: pool -> (min_replicas, max_replicas), from the config. Pools of
-    the config that Serve does not report (yet) appear with 0 running."""
+    bounds: pool -> (min_replicas, max_replicas), from the config; kinds:
+    AppConfig.draft_kinds(). Pools of the config that Serve does not report
+    (yet) appear with 0 running."""
     rows = {}
     for deployment, states in deployments.items():
         pool = pool_name(deployment)
@@ -79,21 +82,23 @@ def replica_counts(deployments: dict[str, dict[str, int]],
             continue
         states = {str(k): int(v) for k, v in states.items() if int(v) > 0}
         lo, hi = bounds.get(pool, (None, None))
-        rows[pool] = {"pool": pool, "deployment": deployment, "states": states,
+        rows[pool] = {"pool": pool, "kind": kind_of(pool, kinds), "deployment": deployment,
+                      "states": states,
                       "running": states.get("RUNNING", 0), "min_replicas": lo,
                       "max_replicas": hi}
     for pool, (lo, hi) in bounds.items():
         if pool not in rows:
             deployment = "target" if pool == "target" else f"draft-{pool}"
-            rows[pool] = {"pool": pool, "deployment": deployment, "states": {}, "running": 0,
-                          "min_replicas": lo, "max_replicas": hi}
+            rows[pool] = {"pool": pool, "kind": kind_of(pool, kinds), "deployment": deployment,
+                          "states": {}, "running": 0, "min_replicas": lo, "max_replicas": hi}
     # The target first, then the drafts by name.
     return sorted(rows.values(), key=lambda r: (r["pool"] != "target", r["pool"]))
 
 
 def prometheus_lines(pools: list[dict]) -> list[str]:
-    return family("specserve_pool_replicas", [({"pool": row["pool"]}, row["running"])
-                                              for row in pools])
+    return family("specserve_pool_replicas",
+                  [({"pool": row["pool"], "kind": row["kind"]}, row["running"])
+                   for row in pools])
 
 
 # ---- Ray glue -------------------------------------------------------------------

@@ -17,3 +17,14 @@ def test_figures_from_counters_and_spans():
     assert empty["branch_hit_rate"] is None and empty["wait_ms_per_step"] is None
     assert branches.total({"a/0": {"branch_hits": 1}, "a/1": {"branch_hits": 2}}) == {
         "branch_hits": 3}
+
+
+def test_pool_waits_add_up_the_replicas_of_each_pool():
+    per_draft = {"big/r1": {"wait_seconds": 0.3, "steps": 10},
+                 "big/r2": {"wait_seconds": 0.1, "steps": 30},
+                 "sfx/r1": {"wait_seconds": 0.0, "steps": 50},
+                 "idle/r1": {"wait_seconds": 0.0, "steps": 0},  # no steps: not measured
+                 "old": {"wait_seconds": 0.2, "steps": 4}}  # a key without a replica
+    assert branches.pool_waits(per_draft) == {"big": 0.01, "sfx": 0.0, "old": 0.05}
+    assert branches.split("big/r1") == ("big", "r1") and branches.split("old") == ("old", "?")
+    assert branches.split("a/b/c") == ("a/b", "c")

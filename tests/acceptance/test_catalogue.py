@@ -20,7 +20,8 @@ from specserve.target.engine import SpecTotals
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from grafana import grafana_expressions, promql_metrics  # noqa: E402
+from grafana import (grafana_expressions, grafana_targets, legend_labels,  # noqa: E402
+                     promql_grouping, promql_labels, promql_metrics)
 
 ODD = 'we"ird\\name\nx'  # a draft name from gRPC metadata
 
@@ -41,10 +42,11 @@ def full_metrics_text(draft_model="d", draft_replica="r1") -> str:
     table.update({"replica": "t1", "model_name": "tiny", "engine": SpecTotals(
         accepted_per_position=[1, 0]).snapshot(),
         "branches": {f"{draft_model}/{draft_replica}": {"branch_hits": 1}}}, now=100.0)
-    lines = [*prometheus_lines(stats, 100.0), *outcomes.prometheus_lines(),
-             *pools.prometheus_lines(pools.replica_counts({"target": {"RUNNING": 1}},
-                                                          {"target": (1, 1)})),
-             *table.prometheus_lines(now=100.0)]
+    kinds = {draft_model: "suffix"}
+    lines = [*prometheus_lines(stats, 100.0, kinds), *outcomes.prometheus_lines(),
+             *pools.prometheus_lines(pools.replica_counts(
+                 {"target": {"RUNNING": 1}}, {"target": (1, 1), draft_model: (1, 1)}, kinds)),
+             *table.prometheus_lines(now=100.0, kinds=kinds)]
     return "\n".join(lines) + "\n"
 
 
@@ -70,6 +72,26 @@ def test_a_label_value_with_quote_backslash_newline_keeps_the_scrape_parseable()
     assert ODD in models
 
 
+def test_every_draft_series_has_its_pools_kind():
+    """A pool's kind (catalogue.kind_of) on each per-draft sample: the draft's
+    ("suffix", as configured), the target's, "none" for target-only requests."""
+    seen = {}
+    for f in text_string_to_metric_families(full_metrics_text()):
+        for s in f.samples:
+            pool = s.labels.get("draft_model", s.labels.get("pool"))
+            if pool is not None:
+                seen.setdefault(pool, set()).add(s.labels["kind"])
+    assert seen == {"d": {"suffix"}, "none": {"none"}, "target": {"target"}}
+
+
+def test_kind_of_a_pool():
+    kinds = {"llama-1b": "model", "sfx": "suffix"}
+    assert [catalogue.kind_of(p, kinds) for p in ("llama-1b", "sfx", "target", "none", "gone")] \
+        == ["model", "suffix", "target", "none", "unknown"]
+    # a draft pool named like a label keeps its configured kind
+    assert catalogue.kind_of("none", {"none": "model"}) == "model"
+
+
 def test_a_family_refuses_labels_the_catalogue_does_not_have():
     with pytest.raises(ValueError, match="labels"):
         family("specserve_k", [({"draft_model": "d", "extra": 1}, 4)])
@@ -91,6 +113,27 @@ def test_every_dashboard_query_names_catalogued_metrics():
         metrics, _ = promql_metrics(expr)
         assert metrics and metrics <= names, (expr, sorted(metrics - names))
     assert "specserve_branch_hits_total" in names and "specserve_no_such" not in names
+
+
+def test_every_dashboard_label_is_catalogued_and_pools_are_grouped_by_kind():
+    """Each label a query or legend names is a catalogued label of a metric it
+    queries (`job`: the scrape's); a panel per draft model or pool groups by
+    the pool's kind too, and its legend shows it."""
+    labels = catalogue.series_labels()
+    grouped_by_pool = 0
+    for t in grafana_targets():
+        expr = t["expr"]
+        metrics, _ = promql_metrics(expr)
+        known = set().union(*(labels[m] for m in metrics)) | {"job"}
+        used = promql_labels(expr) | legend_labels(t.get("legendFormat"))
+        assert used <= known, (expr, sorted(used - known))
+        for group in promql_grouping(expr):
+            if group & {"draft_model", "pool"} and "kind" in known:
+                grouped_by_pool += 1
+                assert "kind" in group, (expr, group)
+                assert "kind" in legend_labels(t.get("legendFormat")), t
+    assert grouped_by_pool >= 8
+    assert promql_labels('sum by (a) (x{b=~"q,{c}", d!="1"}) / on (e) y') == {"a", "b", "d", "e"}
 
 
 def test_docs_table_is_the_catalogues():

@@ -11,6 +11,9 @@ from specserve.acceptance.replicas import ReplicaTable
 from specserve.target.engine import SpecTotals
 
 
+KINDS = {"same": "model"}
+
+
 def report(replica, running=2, drafts=10, draft_tokens=40, accepted=30, per_pos=(9, 8, 7, 6),
            branch_hits=3):
     totals = SpecTotals(num_drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
@@ -31,10 +34,11 @@ def test_each_replica_is_its_own_series_and_dead_ones_leave():
     t = ReplicaTable(grace_s=600, live_s=60)
     t.update(report("t1", running=2), now=0.0)
     t.update(report("t2", running=5, branch_hits=4), now=100.0)
-    got = samples("\n".join(t.prometheus_lines(now=100.0)) + "\n")
+    got = samples("\n".join(t.prometheus_lines(now=100.0, kinds=KINDS)) + "\n")
     hits = {dict(k[1])["target_replica"]: v for k, v in got.items()
             if k[0] == "specserve_branch_hits_total"}
     assert hits == {"t1": 3, "t2": 4}
+    assert {dict(k[1])["kind"] for k in got if k[0] == "specserve_branch_hits_total"} == {"model"}
     # t1 was last heard from 100 s ago: its counters stay, its gauges are gone.
     running = {dict(k[1])["target_replica"]: v for k, v in got.items()
                if k[0] == "vllm:num_requests_running"}
@@ -44,14 +48,14 @@ def test_each_replica_is_its_own_series_and_dead_ones_leave():
     # After the grace period the replica's rows are dropped altogether.
     t.prune(now=700.0)
     assert t.replicas() == ["t2"]
-    got = samples("\n".join(t.prometheus_lines(now=700.0)) + "\n")
+    got = samples("\n".join(t.prometheus_lines(now=700.0, kinds=KINDS)) + "\n")
     assert not any(dict(k[1]).get("target_replica") == "t1" for k in got)
 
 
 def test_vllm_names_and_buckets():
     t = ReplicaTable()
     t.update(report("t1"), now=0.0)
-    text = "\n".join(t.prometheus_lines(now=0.0)) + "\n"
+    text = "\n".join(t.prometheus_lines(now=0.0, kinds=KINDS)) + "\n"
     got = samples(text)
     labels = (("engine", "0"), ("model_name", "tiny"), ("target_replica", "t1"))
     assert got[("vllm:spec_decode_num_draft_tokens_total", labels)] == 40
@@ -73,7 +77,7 @@ def test_vllm_benchmark_client_reads_the_spec_decode_counters():
     t = ReplicaTable()
     t.update(report("t1"), now=0.0)
     t.update(report("t2", drafts=5, draft_tokens=20, accepted=10, per_pos=(4, 3, 2, 1)), now=0.0)
-    text = "\n".join(t.prometheus_lines(now=0.0)) + "\n"
+    text = "\n".join(t.prometheus_lines(now=0.0, kinds=KINDS)) + "\n"
 
     class Response:
         status = 200
@@ -99,7 +103,7 @@ def test_with_serves_list_a_replica_it_no_longer_runs_loses_its_gauges_at_once()
     t.update(report("t2"), now=0.0)
     t.set_running({"t2"}, now=1.0)  # t1 died (or was scaled away) a second ago
     t.update(report("t3"), now=2.0)  # a new replica, newer than Serve's list
-    got = samples("\n".join(t.prometheus_lines(now=2.0)) + "\n")
+    got = samples("\n".join(t.prometheus_lines(now=2.0, kinds=KINDS)) + "\n")
     running = {dict(k[1])["target_replica"] for k in got if k[0] == "vllm:num_requests_running"}
     assert running == {"t2", "t3"}
     # ... its counters stay until the grace period ends.

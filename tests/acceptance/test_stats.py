@@ -5,6 +5,9 @@ from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord, SpecStats
 
 
+KINDS = {"m": "suffix"}
+
+
 def rec(model, replica, hist, out, draft_tokens, k=4, target="t1", ttft=0.1, dur=1.0, at=100.0,
         **live):
     report = TargetReport(target, model, replica, Acceptance(k, out, draft_tokens, tuple(hist)),
@@ -18,7 +21,7 @@ def test_figures_add_up_per_model_replica_and_target():
     s.record(rec("good", "r2", [1, 1, 0, 0, 0], out=10, draft_tokens=8, target="t2"))
     s.record(rec("bad", "r3", [4, 0, 0, 0, 0], out=10, draft_tokens=16))
     s.record(rec(None, None, [], out=5, draft_tokens=0))
-    snap = s.snapshot(now=100.0)
+    snap = s.snapshot(now=100.0, kinds={"good": "model", "bad": "suffix"})
     models = {d["model"]: d for d in snap["draft_models"]}
     assert models["good"]["draft_tokens"] == 16 and models["good"]["accepted_tokens"] == 9
     assert models["good"]["acceptance_rate"] == 9 / 16
@@ -28,6 +31,8 @@ def test_figures_add_up_per_model_replica_and_target():
     assert models["bad"]["acceptance_rate"] == 0.0
     assert models["bad"]["coverage"] == 4 / 10
     assert [d["replica"] for d in snap["drafts"]] == ["r3", "r1", "r2"]
+    assert [d["kind"] for d in snap["drafts"]] == ["suffix", "model", "model"]
+    assert models["bad"]["kind"] == "suffix" and models["good"]["kind"] == "model"
     assert snap["target_only"]["requests"] == 1
     assert {t["replica"]: t["requests"] for t in snap["targets"]} == {"t1": 3, "t2": 1}
 
@@ -38,9 +43,9 @@ def test_end_to_end_window_and_prometheus_text():
     e2e = s.end_to_end(now=60.0)
     assert e2e["ttft_p50_s"] == 0.2 and abs(e2e["tpot_p50_s"] - 0.2) < 1e-9
     assert s.end_to_end(now=1000.0)["requests"] == 0
-    text = prometheus_text(s, now=60.0)
-    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 6' in text
-    assert 'specserve_accepted_per_position_total{draft_model="m",draft_replica="r",position="1"} 1' in text
+    text = prometheus_text(s, now=60.0, kinds=KINDS)
+    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r",kind="suffix"} 6' in text
+    assert 'specserve_accepted_per_position_total{draft_model="m",draft_replica="r",kind="suffix",position="1"} 1' in text
     assert "# TYPE specserve_k gauge" in text
 
 
@@ -53,12 +58,12 @@ def test_goodput_target_live_figures_and_draft_lag():
     s.record(fast)
     e2e = s.end_to_end(now=60.0)
     assert e2e["output_tokens_per_s"] == 22 / 60 and e2e["goodput_tokens_per_s"] == 11 / 60
-    snap = s.snapshot(now=60.0)
+    snap = s.snapshot(now=60.0, kinds={})
     assert snap["targets"][0]["batch_size"] == 3 and snap["targets"][0]["queue_length"] == 1
     assert snap["targets"][0]["output_tokens_per_s"] == 22 / 60
     assert snap["drafts"][0]["draft_lag"] == 2.5
-    text = prometheus_text(s, now=60.0)
-    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in text
+    text = prometheus_text(s, now=60.0, kinds=KINDS)
+    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r",kind="suffix"} 2.5' in text
     # Counters and histograms (since start): Prometheus takes rates and quantiles.
     assert "specserve_goodput_tokens_total 11" in text
     assert 'specserve_ttft_seconds_bucket{le="0.5"} 1' in text  # fast only
@@ -81,15 +86,15 @@ def test_replica_rows_are_pruned_after_the_grace_period():
     assert s.draft_lag == {}
     # The per-model sum keeps what the pruned replica counted.
     assert s.by_model["m"].requests == 2
-    text = prometheus_text(s, now=150.0)
+    text = prometheus_text(s, now=150.0, kinds=KINDS)
     assert 'draft_replica="old"' not in text and 'draft_replica="new"' in text
 
 
 def test_the_lag_gauge_of_a_draft_replica_without_requests_is_dropped():
     s = SpecStats(k=2)
     s.record(rec("m", "r", [0, 1, 0], out=11, draft_tokens=2, k=2, at=50.0, draft_lag=2.5))
-    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r"} 2.5' in \
-        prometheus_text(s, now=60.0)
-    later = prometheus_text(s, now=200.0)  # 150 s without a request: dead or idle
+    assert 'specserve_draft_lag_tokens{draft_model="m",draft_replica="r",kind="suffix"} 2.5' in \
+        prometheus_text(s, now=60.0, kinds=KINDS)
+    later = prometheus_text(s, now=200.0, kinds=KINDS)  # 150 s without a request: dead or idle
     assert "specserve_draft_lag_tokens{" not in later
-    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r"} 2' in later
+    assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r",kind="suffix"} 2' in later

@@ -231,6 +231,13 @@ def test_empty_draft_list_means_target_only():
     assert AppConfig.from_yaml(GPU_EXAMPLE).with_overrides(drafts=[]).drafts == []
 
 
+def test_draft_kinds_map_each_pool_to_its_kind():
+    cfg = AppConfig.from_dict({"drafts": [{"name": "small", "model": "/m/small"},
+                                          {"name": "sfx", "kind": "suffix"}]})
+    assert cfg.draft_kinds() == {"small": "model", "sfx": "suffix"}
+    assert AppConfig.from_dict({}).draft_kinds() == {}
+
+
 def test_port_api_key_and_target_overrides():
     base = AppConfig.from_yaml(GPU_EXAMPLE)
     cfg = base.with_overrides(target="/models/Other-8B", port=9001, api_key="secret")

@@ -123,6 +123,23 @@ def test_decides_like_the_policy():
         assert ctl.current_k[POOL] == ctl.last.k or ctl.last.pool is None
 
 
+def test_each_pools_kind_and_wait_are_its_inputs():
+    cost = fitted(a=0.020, b=0.00002).cost()
+    ctl = KController(4, {"big": 1, "sfx": 1}, Thresholds(probe_every=1000),
+                      kinds={"big": "model", "sfx": "suffix"})
+    ctl.turn = 1
+    f = figures(alpha=0.6)
+    c = ctl.choose({"big": f, "sfx": f}, {}, load=0.0, cost=cost, rows=1,
+                   waits={"big": 0.030})
+    pools = ctl.inputs["pools"]
+    assert (pools["big"]["kind"], pools["sfx"]["kind"]) == ("model", "suffix")
+    assert pools["big"]["wait_ms_per_step"] == pytest.approx(30.0)
+    assert pools["sfx"]["wait_ms_per_step"] is None  # not measured: no wait counted
+    # The same acceptance: the pool that keeps the target waiting 30 ms a step loses.
+    assert c.pool == "sfx" and pools["big"]["k"] < pools["sfx"]["k"]
+    assert pools["big"]["predicted_speedup"] < pools["sfx"]["predicted_speedup"]
+
+
 def test_thresholds_come_from_the_config():
     from specserve.config import AppConfig
 

@@ -122,6 +122,28 @@ def test_measured_verify_cost_decides():
         assert rates[k] == pytest.approx(max(rates))
 
 
+def test_a_pools_wait_per_step_enters_the_step_cost():
+    """rate(K) = tokens / (a + b · tokens + w): w, the pool's measured wait per
+    step, at K > 0 only; ignored by the modelled cost (no seconds there)."""
+    gpu = StepCost(0.020, 0.00002)
+    a, b, w = gpu.fixed, gpu.per_token, 0.010
+    assert predicted_rate(0.8, 0.9, 3, 2, a, b, w) == pytest.approx(
+        2 * (1 + 0.9 * (expected_tokens(0.8, 3) - 1)) / (a + b * 2 * (1 + 0.9 * 3) + w))
+    assert predicted_rate(0.8, 0.9, 0, 2, a, b, w) == predicted_rate(0.8, 0.9, 0, 2, a, b)
+    waits = [speedup(0.6, 4, cost=gpu, coverage=0.9, wait_s=w) for w in (0.0, 0.005, 0.02)]
+    assert waits == sorted(waits, reverse=True) and waits[0] > waits[-1]
+    # A wait as long as a step takes a fair draft from K > 0 to K = 0 ...
+    assert choose_k(0.6, 4, cost=gpu, coverage=0.9, margin=0.03) > 0
+    assert choose_k(0.6, 4, cost=gpu, coverage=0.9, margin=0.03, wait_s=0.02) == 0
+    # ... and the modelled cost does not see it.
+    assert speedup(0.6, 4, load=0.2, wait_s=1.0) == speedup(0.6, 4, load=0.2)
+    # Same α and coverage: the pool whose drafts keep the target waiting loses.
+    slow = PoolView("model", 5000, 0.6, 0.9, requests=100, inflight=0, wait_s=0.008)
+    quick = dataclasses.replace(slow, name="suffix", wait_s=0.0)
+    assert choose([slow, quick], 4, 0.0, 1, cost=gpu, rows=1).pool == "suffix"
+    assert pool_k(slow, 4, 0.0, gpu, 1) <= pool_k(quick, 4, 0.0, gpu, 1)
+
+
 def test_free_verification_is_floored_at_v_idle():
     free = StepCost(0.025, 0.0)  # an emulated slow step: verifying costs nothing measurable
     assert speedup(0.5, 2, cost=free) == pytest.approx(speedup(0.5, 2, load=0.0))

@@ -13,20 +13,24 @@ def test_replica_counts_per_pool_with_bounds():
     rows = pools.replica_counts(
         {"router": {"RUNNING": 1}, "draft-llama-1b": {"RUNNING": 2, "STARTING": 1, "STOPPING": 0},
          "target": {"RUNNING": 1}},
-        {"target": (1, 4), "llama-1b": (2, 8), "llama-8b": (1, 4)})
+        {"target": (1, 4), "llama-1b": (2, 8), "llama-8b": (1, 4)},
+        {"llama-1b": "model", "llama-8b": "suffix"})
     assert [r["pool"] for r in rows] == ["target", "llama-1b", "llama-8b"]
     target, small, big = rows
-    assert target == {"pool": "target", "deployment": "target", "states": {"RUNNING": 1},
+    assert target == {"pool": "target", "kind": "target", "deployment": "target",
+                      "states": {"RUNNING": 1},
                       "running": 1, "min_replicas": 1, "max_replicas": 4}
     assert small["states"] == {"RUNNING": 2, "STARTING": 1} and small["running"] == 2
+    assert small["kind"] == "model"
     assert (small["min_replicas"], small["max_replicas"]) == (2, 8)
     # A configured pool Serve does not report (yet): shown with 0 running.
-    assert big == {"pool": "llama-8b", "deployment": "draft-llama-8b", "states": {},
+    assert big == {"pool": "llama-8b", "kind": "suffix", "deployment": "draft-llama-8b",
+                   "states": {},
                    "running": 0, "min_replicas": 1, "max_replicas": 4}
     assert pools.prometheus_lines(rows)[2:] == [
-        'specserve_pool_replicas{pool="target"} 1',
-        'specserve_pool_replicas{pool="llama-1b"} 2',
-        'specserve_pool_replicas{pool="llama-8b"} 0']
+        'specserve_pool_replicas{pool="target",kind="target"} 1',
+        'specserve_pool_replicas{pool="llama-1b",kind="model"} 2',
+        'specserve_pool_replicas{pool="llama-8b",kind="suffix"} 0']
 
 
 def test_pool_names():

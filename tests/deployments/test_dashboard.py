@@ -1,10 +1,11 @@
 """The /dashboard page in headless Chromium against a running app (tiny models,
-an API key, a draft pool that autoscales): it asks for the key, then shows the
-same figures as /v1/spec/stats (acceptance per draft and per position,
-coverage, K, tokens/s, TTFT/TPOT, replicas per pool, autoscaling decisions),
-and a screenshot is saved (also to out/dashboard.png for people to look at).
-/metrics carries every specserve_* metric the Grafana dashboard of the Helm
-chart queries, and the replica counts per pool; a real Prometheus (Debian's
+an API key, a draft model pool that autoscales beside a suffix pool): it asks
+for the key, then shows the same figures as /v1/spec/stats (acceptance per
+draft and per position, coverage, K, tokens/s, TTFT/TPOT, replicas per pool,
+autoscaling decisions, each pool's kind as a badge), and a screenshot is
+saved (also to out/dashboard.png for people to look at). /metrics carries
+every specserve_* metric the Grafana dashboard of the Helm chart queries,
+and the replica counts per pool; a real Prometheus (Debian's
 package, `make prometheus`) scrapes it, every dashboard expression over the
 router's metrics returns data, and the figures agree with /v1/spec/stats."""
 
@@ -37,6 +38,10 @@ def app(tiny_models, tmp_path_factory):
     # long delays keep Serve from acting on them (no second engine here).
     config["drafts"][0]["replicas"] = {"min_replicas": 1, "max_replicas": 2,
                                        "upscale_delay_s": 600, "downscale_delay_s": 600}
+    # A suffix pool (no model) beside it: every view shows each pool's kind.
+    config["drafts"].append({"name": "sfx", "kind": "suffix",
+                             "replicas": {"min_replicas": 1, "max_replicas": 1},
+                             "resources": {"cpus_per_worker": 0.25}})
     # Every request drafts at full K: this module checks the figures the page,
     # /metrics and Prometheus show, not the K choice (tests/deployments/test_serve.py),
     # which on a busy CPU may hold a slow draft at K = 0 and leave nothing to show.
@@ -52,17 +57,18 @@ def app(tiny_models, tmp_path_factory):
             assert server.proc.poll() is None, server.tail()
             assert time.monotonic() < deadline, server.tail()
             time.sleep(2)
-        # Figures to show: requests until the draft pool has drafted (a CPU
-        # draft that also pre-drafts branches can miss the first short ones).
-        for i in range(24):
+        # Figures to show: requests until the model pool has 4 requests and has
+        # drafted (a CPU draft that also pre-drafts branches can miss the first
+        # short ones). The two pools take turns while both are measured.
+        for i in range(48):
             status, body = post(f"{server.url}/v1/completions",
                                 {"model": "tiny", "prompt": f"Dashboard {i}", "max_tokens": 24,
                                  "temperature": 0, "ignore_eos": True}, AUTH)
             assert status == 200, body
-            if i >= 3:
+            if i >= 7:
                 _, snap = get(f"{server.url}/v1/spec/stats", AUTH)
-                drafted = {m["model"]: m["draft_tokens"] for m in snap["draft_models"]}
-                if drafted.get("same", 0) > 0:
+                same = {m["model"]: m for m in snap["draft_models"]}.get("same", {})
+                if same.get("requests", 0) >= 4 and same.get("draft_tokens", 0) > 0:
                     break
         server.remember_children()
         yield server
@@ -99,6 +105,8 @@ def test_stats_have_pools_and_autoscaling_decisions(app):
             break
         time.sleep(1)
     pools = {p["pool"]: p for p in s["pools"]}
+    assert {p: row["kind"] for p, row in pools.items()} == {
+        "target": "target", "same": "model", "sfx": "suffix"}
     assert pools["target"]["running"] == 1 and pools["target"]["max_replicas"] == 1
     assert pools["same"]["running"] == 1
     assert (pools["same"]["min_replicas"], pools["same"]["max_replicas"]) == (1, 2)
@@ -114,8 +122,9 @@ def test_metrics_carry_what_grafana_queries(app):
 
     status, text = get(f"{app.url}/metrics", AUTH)
     assert status == 200
-    assert re.search(r'^specserve_pool_replicas\{pool="target"\} 1$', text, re.M)
-    assert re.search(r'^specserve_pool_replicas\{pool="same"\} 1$', text, re.M)
+    assert re.search(r'^specserve_pool_replicas\{pool="target",kind="target"\} 1$', text, re.M)
+    assert re.search(r'^specserve_pool_replicas\{pool="same",kind="model"\} 1$', text, re.M)
+    assert re.search(r'^specserve_pool_replicas\{pool="sfx",kind="suffix"\} 1$', text, re.M)
     exported = exposed_names(text)
     wanted = {m for m in grafana_metric_names() if not m.startswith("ray_")}
     assert wanted and wanted <= exported, sorted(wanted - exported)
@@ -129,7 +138,10 @@ for (const id of ["tokens-per-s", "goodput", "ttft", "tpot", "requests", "load"]
   cards[id] = document.getElementById(id).dataset.value;
 const cells = [...document.querySelectorAll("td")].map((td) =>
   ({table: td.closest("tbody").id, value: td.dataset.value, ...td.dataset}));
-return {stats: window.specserveStats, cards, cells};
+const badges = [...document.querySelectorAll("td .badge")].map((b) =>
+  ({table: b.closest("tbody").id, text: b.textContent, shown: b.offsetWidth > 0,
+    ...b.closest("td").dataset}));
+return {stats: window.specserveStats, cards, cells, badges};
 """
 
 
@@ -220,6 +232,14 @@ def test_dashboard_shows_the_figures_of_the_stats(app, tmp_path):
             for field in ("running", "min_replicas", "max_replicas"):
                 shown = [c for c in cells if c.get("pool") == p["pool"] and c.get("field") == field]
                 assert len(shown) == 1 and num(shown[0]["value"]) == p[field], (p["pool"], field)
+        # Each pool's kind, as a visible badge, in the pools and draft tables.
+        badges = page["badges"]
+        assert all(b["shown"] and b["text"] == b["value"] for b in badges), badges
+        assert {b["pool"]: b["text"] for b in badges if b["table"] == "pools-table"} == {
+            p["pool"]: p["kind"] for p in want["pools"]} == {
+            "target": "target", "same": "model", "sfx": "suffix"}
+        assert {b["model"]: b["text"] for b in badges if b["table"] == "drafts-table"} == {
+            m["model"]: m["kind"] for m in want["draft_models"]}
         reasons = [c["value"] for c in cells
                    if c["table"] == "decisions-table" and c.get("field") == "reason"]
         assert reasons == [d["reason"] for d in want["autoscaling"]] != []
@@ -312,8 +332,9 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
         assert drafted() > drafted_before, "the draft pool drafted nothing in 20 requests"
         # ... and a sample after it: Prometheus holds what /v1/spec/stats says.
         s = stats(app)
-        want_drafted = sum(m["draft_tokens"] for m in s["draft_models"])
-        while float(_query(url, series)[0]["value"][1]) != want_drafted:
+        model = {m["model"]: m for m in s["draft_models"]}["same"]  # the series' pool
+        # (no sample: a failed scrape of the busy router marks the series stale)
+        while [float(r["value"][1]) for r in _query(url, series)] != [model["draft_tokens"]]:
             assert time.monotonic() < deadline + 120, "Prometheus lags /v1/spec/stats"
             time.sleep(1)
         time.sleep(2)
@@ -328,15 +349,15 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
             assert _query(url, _grafana_to_promql(expr)), expr
 
         # The counters Prometheus holds are /v1/spec/stats' totals.
-        (model,) = s["draft_models"]
         for name, key in (("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")):
             (got,) = _query(url, f'sum(specserve_{name}_total{{draft_model="same"}})')
             assert float(got["value"][1]) == model[key], (name, model)
         # ... and the acceptance-rate panel over the whole run is their ratio.
         rate_expr = next(e for e in grafana_expressions() if e.startswith(
-            "sum by (draft_model) (rate(specserve_accepted_tokens_total"))
+            "sum by (draft_model, kind) (rate(specserve_accepted_tokens_total"))
         whole = _grafana_to_promql(rate_expr).replace("[30s]", "[10m]")
-        (panel,) = _query(url, whole)
+        (panel,) = [p for p in _query(url, whole) if p["metric"]["draft_model"] == "same"]
+        assert panel["metric"]["kind"] == "model"
         before = _query(url, 'sum(specserve_accepted_tokens_total{draft_model="same"} offset 10m)')
         assert not before  # the window holds every sample since the first scrape
         first = {n: float(_query(url, f'min_over_time(sum(specserve_{n}_total'

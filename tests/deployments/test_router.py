@@ -452,7 +452,7 @@ def test_metrics_label_target_figures_by_replica_and_count_http_outcomes():
     text = asyncio.run(go())
     for replica, hits in (("t0", 1), ("t1", 3), ("t2", 4)):  # t0 answered the scrape
         assert (f'specserve_branch_hits_total{{target_replica="{replica}",draft_model="same",'
-                f'draft_replica="d0"}} {hits}') in text
+                f'draft_replica="d0",kind="model"}} {hits}') in text
         assert (f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny",engine="0",'
                 f'target_replica="{replica}"}} 8') in text
     assert 'specserve_http_responses_total{route="/v1/completions",status="200"} 1' in text
@@ -460,3 +460,44 @@ def test_metrics_label_target_figures_by_replica_and_count_http_outcomes():
     assert 'specserve_http_aborts_total{route="/v1/chat/completions"} 1' in text
     assert 'specserve_http_inflight{route="/v1/chat/completions"} 0' in text
     assert 'specserve_http_inflight{route="/metrics"} 1' in text  # this scrape
+
+
+def test_each_pool_shows_its_kind_and_its_measured_wait_enters_the_k_choice():
+    """A model pool and a suffix pool: every view names each pool's kind; the
+    wait per step the target replicas report per pool is the K choice's w."""
+    config = {**json.loads(json.dumps(CONFIG)),
+              "drafts": [{"name": "same", "model": "/nonexistent"},
+                         {"name": "sfx", "kind": "suffix"}]}
+    waited = {**replica_report("t1"), "branches": {
+        "same/d0": {"wait_seconds": 0.5, "steps": 100},  # 5 ms a step
+        "sfx/s0": {"wait_seconds": 0.0, "steps": 50}}}
+
+    async def go():
+        target = FakeTarget([FakeStream(json_answer(b"{}", records=[record()], report=waited)),
+                             FakeStream(json_answer(b"{}"))])
+        r = Router(config, target, ["same", "sfx"], serve_metrics=False)
+        r.ops._serve_status = lambda: {}
+        r.ops._decisions = FakeRemote([]).remote
+        for _ in range(2):
+            await answer(r, request("POST", "/v1/completions", b"{}"))
+        _, _, stats = await answer(r, request("GET", "/v1/spec/stats"))
+        _, _, text = await answer(r, request("GET", "/metrics"))
+        return json.loads(stats), text.decode()
+
+    snap, text = asyncio.run(go())
+    k_pools = snap["k_choice"]["pools"]
+    assert {p: (v["kind"], v["wait_ms_per_step"]) for p, v in k_pools.items()} == {
+        "same": ("model", pytest.approx(5.0)), "sfx": ("suffix", 0.0)}
+    assert {p["pool"]: p["kind"] for p in snap["pools"]} == {
+        "target": "target", "same": "model", "sfx": "suffix"}
+    assert [(m["model"], m["kind"]) for m in snap["draft_models"]] == [("same", "model")]
+    assert [(d["model"], d["kind"]) for d in snap["drafts"]] == [("same", "model")]
+    assert {d: b["kind"] for d, b in snap["branches"].items()} == {
+        "same/d0": "model", "sfx/s0": "suffix"}
+    assert snap["branches"]["same/d0"]["wait_ms_per_step"] == pytest.approx(5.0)
+    assert 'specserve_pool_replicas{pool="sfx",kind="suffix"} 0' in text
+    assert 'specserve_k{draft_model="same",kind="model"}' in text
+    assert ('specserve_draft_tokens_total{draft_model="none",draft_replica="none",kind="none"} 0'
+            in text)
+    assert ('specserve_proposer_steps_total{target_replica="t1",draft_model="sfx",'
+            'draft_replica="s0",kind="suffix"} 50') in text

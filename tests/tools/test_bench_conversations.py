@@ -27,11 +27,11 @@ def _report(replica: str, hits: int, queries: int, requests: int) -> dict:
 def test_counters_from_the_metrics_text_and_the_figures():
     table = ReplicaTable()
     table.update(_report("r1", hits=0, queries=100, requests=1), 0.0)
-    before = replica_counters("\n".join(table.prometheus_lines(1.0)) + "\n")
+    before = replica_counters("\n".join(table.prometheus_lines(1.0, {})) + "\n")
     assert before == {"r1": {"queries": 100, "hits": 0, "requests": 1}}
     table.update(_report("r1", hits=270, queries=400, requests=7), 2.0)
     table.update(_report("r2", hits=30, queries=100, requests=3), 2.0)
-    after = replica_counters("\n".join(table.prometheus_lines(3.0)) + "\n")
+    after = replica_counters("\n".join(table.prometheus_lines(3.0, {})) + "\n")
     f = figures(before, after, [0.3, 0.1, 0.2], replicas=2)
     assert f["prefix_cache_hit_rate"] == 300 / 400
     assert f["ttft_p50_s"] == 0.2
