@@ -82,3 +82,10 @@ def exposed_names(text: str) -> set[str]:
         names |= ({f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram"
                   else {name})
     return names
+
+
+def as_promql(expr: str) -> str:
+    """A dashboard expression as Grafana sends it: its variables substituted
+    (all jobs and models; $__rate_interval at least 4 scrape intervals)."""
+    return (expr.replace("$__rate_interval", "30s").replace("$job", ".+")
+            .replace("$model", ".+"))

@@ -259,62 +259,17 @@ def test_dashboard_shows_the_figures_of_the_stats(app, tmp_path):
         driver.quit()
 
 
-PROMETHEUS = "/usr/bin/prometheus"
-
-
-def _grafana_to_promql(expr: str) -> str:
-    """A dashboard expression as Grafana sends it: its variables substituted
-    (all jobs and models; $__rate_interval at least 4 scrape intervals)."""
-    return (expr.replace("$__rate_interval", "30s").replace("$job", ".+")
-            .replace("$model", ".+"))
-
-
-def _query(url: str, expr: str) -> list:
-    import urllib.parse
-
-    status, body = get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-    assert status == 200 and body["status"] == "success", (expr, body)
-    return body["data"]["result"]
-
-
 def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_path):
-    import subprocess
-    import urllib.parse
+    from grafana import as_promql, grafana_expressions
+    from prometheus_server import scraping
 
-    import yaml
-
-    from grafana import grafana_expressions
-    from specserve.ports import free_port
-
-    assert shutil.which(PROMETHEUS), "Debian's prometheus package: make prometheus"
-    target = urllib.parse.urlparse(app.url).netloc
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "scrape_configs": [{"job_name": "specserve", "metrics_path": "/metrics",
-                                  "authorization": {"type": "Bearer", "credentials": KEY},
-                                  "static_configs": [{"targets": [target]}]}]}
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    check = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
-                           capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "prometheus.log", "w")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with scraping(app.url, tmp_path, bearer=KEY) as prom:
+        _query = prom.query
         deadline = time.monotonic() + 60
-        while not _ready(url):
-            assert prom.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "prometheus.log").read_text()[-3000:]
-            time.sleep(1)
         # A first sample of the counters before the traffic below (rates need a
         # start; a scrape of a busy router can take longer than a fixed sleep).
         series = 'sum(specserve_draft_tokens_total{draft_model="same"})'
-        while not _query(url, series):
-            assert time.monotonic() < deadline + 60, "Prometheus never scraped the router"
-            time.sleep(1)
+        prom.wait_for(series, 60, "Prometheus scraped the router")
 
         def drafted() -> int:
             return sum(m["draft_tokens"] for m in stats(app)["draft_models"])
@@ -334,11 +289,11 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
         s = stats(app)
         model = {m["model"]: m for m in s["draft_models"]}["same"]  # the series' pool
         # (no sample: a failed scrape of the busy router marks the series stale)
-        while [float(r["value"][1]) for r in _query(url, series)] != [model["draft_tokens"]]:
+        while [float(r["value"][1]) for r in _query(series)] != [model["draft_tokens"]]:
             assert time.monotonic() < deadline + 120, "Prometheus lags /v1/spec/stats"
             time.sleep(1)
         time.sleep(2)
-        (up,) = _query(url, 'up{job="specserve"}')
+        (up,) = _query('up{job="specserve"}')
         assert up["value"][1] == "1"
 
         # Every expression of the dashboard over the router's metrics has data.
@@ -346,37 +301,27 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
         for expr in grafana_expressions():
             if "ray_" in expr:
                 continue
-            assert _query(url, _grafana_to_promql(expr)), expr
+            assert _query(as_promql(expr)), expr
 
         # The counters Prometheus holds are /v1/spec/stats' totals.
         for name, key in (("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")):
-            (got,) = _query(url, f'sum(specserve_{name}_total{{draft_model="same"}})')
+            (got,) = _query(f'sum(specserve_{name}_total{{draft_model="same"}})')
             assert float(got["value"][1]) == model[key], (name, model)
         # ... and the acceptance-rate panel over the whole run is their ratio.
         rate_expr = next(e for e in grafana_expressions() if e.startswith(
             "sum by (draft_model, kind) (rate(specserve_accepted_tokens_total"))
-        whole = _grafana_to_promql(rate_expr).replace("[30s]", "[10m]")
-        (panel,) = [p for p in _query(url, whole) if p["metric"]["draft_model"] == "same"]
+        whole = as_promql(rate_expr).replace("[30s]", "[10m]")
+        (panel,) = [p for p in _query(whole) if p["metric"]["draft_model"] == "same"]
         assert panel["metric"]["kind"] == "model"
-        before = _query(url, 'sum(specserve_accepted_tokens_total{draft_model="same"} offset 10m)')
+        before = _query('sum(specserve_accepted_tokens_total{draft_model="same"} offset 10m)')
         assert not before  # the window holds every sample since the first scrape
-        first = {n: float(_query(url, f'min_over_time(sum(specserve_{n}_total'
+        first = {n: float(_query(f'min_over_time(sum(specserve_{n}_total'
                                  f'{{draft_model="same"}})[10m:1s])')[0]["value"][1])
                  for n in ("accepted_tokens", "draft_tokens")}
         want = ((model["accepted_tokens"] - first["accepted_tokens"])
                 / (model["draft_tokens"] - first["draft_tokens"]))
         assert float(panel["value"][1]) == pytest.approx(want, rel=1e-6)
         # TTFT quantiles come from the router's histogram.
-        (p50,) = _query(url, "histogram_quantile(0.5, sum by (le) "
-                             "(specserve_ttft_seconds_bucket))")
+        (p50,) = _query("histogram_quantile(0.5, sum by (le) "
+                        "(specserve_ttft_seconds_bucket))")
         assert 0 < float(p50["value"][1]) <= 10
-    finally:
-        prom.terminate()
-        prom.wait(30)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return get(f"{url}/-/ready", timeout=2)[0] == 200
-    except OSError:
-        return False

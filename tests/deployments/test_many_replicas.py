@@ -12,7 +12,8 @@ on one app:
   requests with drafts (the drafts re-attach to it), Serve brings the pool
   back to two, and no counter Prometheus holds ever went backwards
   (`resets()` over the whole run is 0 for every series: each target
-  replica's rows carry its own label, the router sums them);
+  replica's rows carry its own label, the router sums them), and every
+  panel of the Grafana dashboard has data;
 - a draft replica SIGKILLed mid-run costs speed only: every in-flight answer
   is still exactly target-only's.
 """
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from conftest import SLOW_TARGET_ENV
+from grafana import as_promql, grafana_expressions
 from prometheus_server import scraping
 from serve_client import (in_threads, kill_replica, replica_processes, start_streams,
                           stats, wait_for)
@@ -175,6 +177,11 @@ def test_a_target_replica_killed_mid_run(app, reference, tmp_path):
         for name in counters:  # (a range function drops the name: one query each)
             reset = prom.query(f"resets({name}[15m]) > 0")
             assert not reset, (name, [r["metric"] for r in reset])
+        # Every panel of the Grafana dashboard has data with two target replicas
+        # (ray_* series come from Ray's metrics agents, another scrape job).
+        for expr in grafana_expressions():
+            if "ray_" not in expr:
+                assert prom.query(as_promql(expr)), expr
         (up,) = prom.query('up{job="specserve"}')
         assert up["value"][1] == "1", up  # /metrics answers after the replacement
         scrapes, answered, slowest = (float(prom.query(q)[0]["value"][1]) for q in (
