@@ -96,7 +96,9 @@ class TargetServer:
         self.model_dir = t.model or str(ensure_default_model())
         openai_app.check_tool_call_parser(t.tool_call_parser)
         os.environ.update(t.resources.env)
-        target_cpus, _ = cpu_binding(t.tensor_parallel_size)
+        # A model draft needs cores of its own; suffix pools run no engine.
+        target_cpus, _ = cpu_binding(t.tensor_parallel_size,
+                                     model_draft=any(d.kind == "model" for d in self.config.drafts))
         # On GPUs the replica actor holds no GPU: vLLM's Ray executor puts the
         # TP workers on the bundles of this replica (specserve.placement).
         executor = target_placement(t).executor

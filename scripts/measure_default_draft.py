@@ -1,7 +1,7 @@
 """Serving with the default draft against target-only, on this machine (a measurement,
 not a test): `PYTHONPATH=. .venv/bin/python scripts/measure_default_draft.py [N] [--dtype DTYPE]`.
 
-Starts `specserve serve` twice with the embedded default config: as shipped
+Starts `specserve serve` twice with cluster/model-draft.yaml: as shipped
 (the distilled default draft) and with `--draft none`. Sends the same N
 held-out chat prompts (greedy, 96 tokens) one at a time, then all at once;
 prints output tokens/s of each, whether the texts are equal, and the
@@ -53,14 +53,14 @@ def measure(server: ServeProcess, prompts: list[str]) -> dict:
     return result
 
 
-def config_with_dtype(dtype: str | None) -> dict | None:
-    """The embedded default config with both engines' dtype set (None: as is)."""
-    if dtype is None:
-        return None
+def config_with_dtype(dtype: str | None) -> dict:
+    """cluster/model-draft.yaml with both engines' dtype set (None: as is)."""
     import yaml
 
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster/default.yaml")
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster/model-draft.yaml")
                          .read_text())
+    if dtype is None:
+        return cfg
     for engine in [cfg["target"]["engine"]] + [d["engine"] for d in cfg["drafts"]]:
         engine["dtype"] = dtype
     return cfg

@@ -62,21 +62,34 @@ def engine_args(model: str, s: EngineSettings, **extra):
     return AsyncEngineArgs(**args)
 
 
-def cpu_binding(tp: int, cores: int | None = None) -> tuple[str | None, str | None]:
+def cpu_binding(tp: int, cores: int | None = None,
+                model_draft: bool = False) -> tuple[str | None, str | None]:
     """OpenMP core lists (target, draft) for vLLM CPU engines on one machine.
 
-    vLLM's "auto" binding puts every engine on the same core; a draft that
-    shares the target's core can never run ahead of it. With TP=1 the target
-    gets core 0 and the draft the rest (what separate hardware would give);
-    with TP=N each target rank gets one core and the draft shares them all.
-    Ignored on GPUs.
+    Without a model draft (target only, or suffix pools, which run no engine)
+    the target takes every core: TP=1 one rank on all of them, TP=N the cores
+    split into N contiguous lists. With a model draft, vLLM's "auto" binding
+    would put both engines on the same core, and a draft that shares the
+    target's core can never run ahead of it: with TP=1 the target gets core 0
+    and the draft the rest (what separate hardware would give); with TP=N each
+    target rank gets one core and the draft shares them all. Ignored on GPUs.
     """
     cores = cores or os.cpu_count() or 1
+    if not model_draft:
+        if tp > cores:
+            return None, None
+        each = cores // tp
+        return "|".join(_span(i * each, (i + 1) * each - 1) for i in range(tp)), None
     if tp == 1 and cores >= 2:
         return "0", str(cores - 1) if cores == 2 else f"{cores // 2}-{cores - 1}"
     if 1 < tp <= cores:
         return "|".join(str(i) for i in range(tp)), f"0-{cores - 1}"
     return None, None
+
+
+def _span(first: int, last: int) -> str:
+    """An OpenMP core list of first..last ("3" for one core)."""
+    return str(first) if first == last else f"{first}-{last}"
 
 
 @contextlib.contextmanager

@@ -134,7 +134,8 @@ class LocalSpec:
     def _cpu_binding(self) -> tuple[str | None, str | None]:
         if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
             return None, None  # the user's choice
-        return cpu_binding(self.tp)
+        # Any draft here (a model or synthetic) runs in processes beside the target.
+        return cpu_binding(self.tp, model_draft=self.draft is not None)
 
     def _start_draft_worker(self, replay_path: str | None = None,
                             vocab_size: int | None = None) -> None:

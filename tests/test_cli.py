@@ -130,14 +130,28 @@ def test_serve_refuses_pools_a_local_cluster_cannot_hold(tiny_models, tmp_path):
                    "target 2, draft-a 1", "local Ray cluster of 2")
 
 
+def test_serve_draft_takes_model_folders_only(tmp_path):
+    one_line_error(run_cli("serve", "--draft", "suffix"), "--draft takes draft model folders",
+                   "kind: suffix")
+    one_line_error(run_cli("serve", "--draft", str(tmp_path / "nope")),
+                   "draft model folder", "does not exist")
+
+
 def test_serve_on_the_default_follows_the_named_models(short_context, monkeypatch):
     from specserve.cli.common import UsageError
     from specserve.cli.serve import check_contexts, serve_config
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     m = str(short_context)
+    # Alone, the target keeps the default's suffix pool and both cores.
+    cfg, _ = serve_config(serve_args("--target", m))
+    assert [(d.kind, d.resources.cpus_per_worker) for d in cfg.drafts] == [("suffix", 0)]
+    assert cfg.target.resources.cpus_per_worker == 2
+    # A draft model starts from the default's model-draft pair: a core each.
     cfg, _ = serve_config(serve_args("--target", m, "--draft", m))
-    # The embedded default's max_model_len 2048 was the default model's.
+    assert [(d.kind, d.resources.cpus_per_worker) for d in cfg.drafts] == [("model", 1)]
+    assert cfg.target.resources.cpus_per_worker == 1
+    # The pair's max_model_len 2048 was the default model's.
     assert cfg.target.engine.max_model_len is None and cfg.drafts[0].engine.max_model_len is None
     check_contexts(cfg, m)
     forced = cfg.model_copy(update={"target": cfg.target.model_copy(update={
@@ -158,7 +172,7 @@ def test_a_deployment_that_cannot_be_placed_says_what_it_asks_and_what_is_free(
     from specserve.cli import serve as serve_cmd
     from specserve.config import AppConfig
 
-    cfg = AppConfig.embedded_default().with_overrides(drafts=["/m/a", "/m/b"])
+    cfg = AppConfig.embedded_default(model_draft=True).with_overrides(drafts=["/m/a", "/m/b"])
     unplaced = ("Deployment 'draft-b' in application 'specserve' has 1 replicas that have "
                 "taken more than 30s to be scheduled. ...")
     states = iter([

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="run the Ray Serve app (OpenAI API) until Ctrl-C")
     sv.add_argument("config", nargs="?", help="config YAML (default: the embedded CPU default, "
-                    "cluster/default.yaml)")
+                    "cluster/default.yaml; with --draft PATH cluster/model-draft.yaml)")
     sv.add_argument("--target", help="target model folder (overrides the config)")
     sv.add_argument("--draft", action="append",
                     help="draft model folder ('default': the shipped draft of the default "

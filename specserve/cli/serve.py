@@ -43,11 +43,15 @@ def serve_config(args):
     from specserve.models import DEFAULT_DRAFT_KEYWORD, tokenizers_compatible
 
     try:
-        cfg = (AppConfig.from_yaml(args.config) if args.config
-               else AppConfig.embedded_default())
         drafts = args.draft
         if drafts is not None and [d.lower() for d in drafts] == ["none"]:
             drafts = []
+        if "suffix" in (drafts or []):
+            raise UsageError("--draft takes draft model folders; a suffix draft pool is a "
+                             "config's `kind: suffix` pool (the embedded default has one)")
+        # With no config, draft models start from the default's model-draft pair.
+        cfg = (AppConfig.from_yaml(args.config) if args.config
+               else AppConfig.embedded_default(model_draft=bool(drafts)))
         target = model_dir(args.target, "target") if args.target else None
         from specserve.draft.synthetic import is_synthetic
 

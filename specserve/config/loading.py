@@ -19,8 +19,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-# The CPU default that `specserve` runs when given no config file.
+# The CPU default that `specserve` runs when given no config file, and the one
+# `specserve serve --draft PATH` starts from (the target beside a draft model).
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "cluster" / "default.yaml"
+MODEL_DRAFT_CONFIG_PATH = DEFAULT_CONFIG_PATH.with_name("model-draft.yaml")
 
 
 class ConfigError(ValueError):

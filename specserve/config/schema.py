@@ -29,7 +29,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specserve.config.base import _require_non_empty, _Strict
-from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError, read_yaml, validation_error
+from specserve.config.loading import (DEFAULT_CONFIG_PATH, MODEL_DRAFT_CONFIG_PATH, ConfigError,
+                                      read_yaml, validation_error)
 from specserve.config.http import HttpConfig
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
 from specserve.config.quotas import QuotaConfig
@@ -419,13 +420,15 @@ class AppConfig(_Strict):
         return cls.from_dict(read_yaml(path), source=str(path))
 
     @classmethod
-    def embedded_default(cls) -> AppConfig:
-        """The CPU default (`cluster/default.yaml` of the repo)."""
-        if not DEFAULT_CONFIG_PATH.is_file():
-            raise ConfigError(f"the default config {DEFAULT_CONFIG_PATH} is missing: specserve "
+    def embedded_default(cls, model_draft: bool = False) -> AppConfig:
+        """The CPU default (`cluster/default.yaml` of the repo: a suffix draft);
+        model_draft: its pair with a draft model (`cluster/model-draft.yaml`)."""
+        path = MODEL_DRAFT_CONFIG_PATH if model_draft else DEFAULT_CONFIG_PATH
+        if not path.is_file():
+            raise ConfigError(f"the default config {path} is missing: specserve "
                               "must be installed from its repository (pip install -e .), "
                               "or pass a config file")
-        return cls.from_yaml(DEFAULT_CONFIG_PATH)
+        return cls.from_yaml(path)
 
     # ---- deriving ------------------------------------------------------------
 
@@ -440,7 +443,8 @@ class AppConfig(_Strict):
         drafts: draft model folders (`--draft PATH`, repeatable); they replace
           the configured pools. Each pool is named from its folder (sanitized,
           -2, -3, ... for repeats) and copies replicas, resources, engine and
-          max_ongoing_requests from the first configured draft (or defaults).
+          max_ongoing_requests from the first configured draft model pool (or
+          defaults; a suffix pool's settings do not fit a model).
           An empty list means no drafts (target-only).
         share_draft_cpus: the new pools split the first pool's
           resources.cpus_per_worker between them instead of each copying it
@@ -458,7 +462,7 @@ class AppConfig(_Strict):
             data["target"]["model"] = target
             data["target"]["name"] = None
         if drafts is not None:
-            first = self.drafts[0] if self.drafts else None
+            first = next((d for d in self.drafts if d.kind == "model"), None)
             template = first.model_dump() if first else {}
             pools = []
             for path, name in zip(drafts, pool_names(drafts)):

@@ -21,15 +21,19 @@ def test_max_model_len_against_the_models_context():
         "config.json); lower it, or set it to null for the model's own")
 
 
-def test_the_embedded_default_fits_its_local_cluster():
+def test_the_embedded_defaults_fit_their_local_cluster():
     cfg = AppConfig.embedded_default()
     assert [(a.deployment, a.replicas, a.total()) for a in deploy_asks(cfg)] == [
-        ("target", 1, {"CPU": 1.0}), ("draft-smollm2-distill", 1, {"CPU": 1.0})]
+        ("target", 1, {"CPU": 2.0}), ("draft-suffix", 1, {"CPU": 0.0})]
     assert local_fit_problem(cfg, cfg.ray.num_cpus) is None
+    pair = AppConfig.embedded_default(model_draft=True)
+    assert [(a.deployment, a.replicas, a.total()) for a in deploy_asks(pair)] == [
+        ("target", 1, {"CPU": 1.0}), ("draft-smollm2-distill", 1, {"CPU": 1.0})]
+    assert local_fit_problem(pair, pair.ray.num_cpus) is None
 
 
 def test_two_draft_pools_on_the_default_share_the_cores_or_do_not_fit():
-    base = AppConfig.embedded_default()
+    base = AppConfig.embedded_default(model_draft=True)  # what --draft starts from
     copied = base.with_overrides(drafts=["/m/a", "/m/b"])
     assert local_fit_problem(copied, 2) == (
         "the deployments ask 3 CPUs (target 1, draft-a 1, draft-b 1) of a local Ray cluster "

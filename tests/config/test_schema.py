@@ -42,14 +42,27 @@ def test_embedded_default_loads():
     assert cfg.target.model is None
     assert cfg.target.served_name() == "SmolLM2-135M-Instruct"
     assert cfg.target.tensor_parallel_size == 1
-    assert cfg.target.resources.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert cfg.target.resources.env == {}  # unpinned: every core (engine.cpu_binding)
+    assert cfg.target.resources.cpus_per_worker == 2
     assert cfg.target.engine.kv_cache_gib == 2
     assert cfg.target.engine.max_model_len == 2048
-    assert [(d.name, d.model) for d in cfg.drafts] == [("smollm2-distill", "default")]
+    assert [(d.name, d.kind, d.model) for d in cfg.drafts] == [("suffix", "suffix", None)]
+    assert cfg.drafts[0].resources.cpus_per_worker == 0 and cfg.drafts[0].suffix.share
     assert cfg.speculation.num_speculative_tokens == 4
     assert cfg.lookahead_tokens() == 9
     assert (cfg.http.host, cfg.http.port) == ("127.0.0.1", 8000)
     assert cfg.ray.num_cpus == 2 and cfg.ray.address is None
+
+
+def test_model_draft_pair_loads():
+    cfg = AppConfig.embedded_default(model_draft=True)
+    assert cfg.target.served_name() == "SmolLM2-135M-Instruct"
+    assert cfg.target.resources.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert cfg.target.resources.cpus_per_worker == 1
+    assert [(d.name, d.kind, d.model) for d in cfg.drafts] == [
+        ("smollm2-distill", "model", "default")]
+    assert cfg.drafts[0].resources.cpus_per_worker == 1
+    assert cfg.speculation == AppConfig.embedded_default().speculation
 
 
 def test_gpu_example_loads():
@@ -215,8 +228,10 @@ def test_draft_overrides_get_unique_names():
 
 
 def test_draft_overrides_without_configured_drafts_use_defaults():
+    # The default's one pool is a suffix pool: its settings (0 CPUs) do not fit a model.
     cfg = AppConfig.embedded_default().with_overrides(drafts=["/m/draft", "/n/draft"])
-    assert [d.name for d in cfg.drafts] == ["draft", "draft-2"]
+    assert [(d.name, d.kind) for d in cfg.drafts] == [("draft", "model"), ("draft-2", "model")]
+    assert cfg.drafts[0].resources.cpus_per_worker == 1
     assert cfg.drafts[0].replicas == Autoscaling()
     assert cfg.drafts[0].max_ongoing_requests == 256
 
@@ -250,7 +265,7 @@ def test_port_api_key_and_target_overrides():
 
 
 def test_a_model_replacing_the_default_does_not_inherit_its_context():
-    base = AppConfig.embedded_default()
+    base = AppConfig.embedded_default(model_draft=True)
     assert base.target.engine.max_model_len == 2048  # set for the default model
     assert base.drafts[0].engine.max_model_len == 2048
     cfg = base.with_overrides(target="/m/other", drafts=["/m/d1", "default"])

@@ -1,5 +1,6 @@
 """`specserve serve` with no config (the embedded default: SmolLM2-135M-Instruct on
-CPU), exercised with the README's own curl and openai examples."""
+CPU with a suffix draft pool), exercised with the README's own curl and openai
+examples, the edit among them: its drafts are accepted."""
 
 import json
 import os
@@ -54,5 +55,14 @@ def test_default_app_answers_the_readme_examples(tmp_path, monkeypatch):
                              timeout=300)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip()
+        # The edit: an answer that repeats its input, drafted by the suffix pool.
+        edit = readme_block("sh", "spec/stats").replace("8000", str(server.port))
+        out = subprocess.run(["bash", "-c", edit], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        reply, end = json.JSONDecoder().raw_decode(out.stdout)
+        assert "Lyon" in reply["choices"][0]["message"]["content"]
+        stats = json.loads(out.stdout[end:])
+        assert [p["model"] for p in stats["draft_models"]] == ["suffix"]
+        assert stats["draft_models"][0]["accepted_tokens"] > 0, stats["draft_models"]
     finally:
         assert server.stop(require_clean=True) == 0, server.tail()

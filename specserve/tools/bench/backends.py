@@ -164,7 +164,7 @@ class VllmDraftModelBackend:
         from specserve.target.engine import TargetEngine
 
         self.started = TargetEngine.start(
-            self.target, self.settings, cpus=cpu_binding(1)[0],
+            self.target, self.settings, cpus=cpu_binding(1, model_draft=True)[0],
             speculative_config=self.speculative_config())
         self.engine, self.totals = self.started.engine, self.started.totals
 

@@ -40,7 +40,7 @@ class VllmServeBackend(HttpBackend):
 
         env = dict(os.environ)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.kv_cache_gib or 1))
-        target_cpus, _ = cpu_binding(1)
+        target_cpus, _ = cpu_binding(1, model_draft=True)
         if target_cpus:  # the core specserve's target replica gets
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", target_cpus)
         return env
