@@ -70,6 +70,8 @@ FORWARDED = {
 _HOP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                 "proxy-authorization", "authorization", "content-length"}
 _HOP_RESPONSE_HEADERS = {"content-length", "transfer-encoding", "connection", "date", "server"}
+# The last event of an OpenAI stream.
+_DONE = b"data: [DONE]\n\n"
 
 
 def _engine_dead(e: BaseException) -> bool:
@@ -444,24 +446,38 @@ class Router:
 
         async def events():
             nonlocal finished
+            # The records come after the body; a client may hang up as soon as
+            # it reads [DONE] (openai's does), which would cancel this before
+            # they are taken: [DONE] is passed on once the target's stream ends.
+            done = None
             try:
                 while True:
                     try:
                         item = await _next(stream, deadline)
                     except StopAsyncIteration:
                         break
-                    if not self._take_records(item):
+                    if self._take_records(item):
+                        continue
+                    if isinstance(item, bytes) and item.endswith(_DONE):
+                        done = item
+                    else:
                         yield item
                 finished = True
+                if done is not None:
+                    yield done
             except Exception as e:  # the target failed or took too long: say so, then end
                 finished = True
+                if done is not None:  # the body was whole; only its records are lost
+                    log.warning("no records after a finished stream: %r", e)
+                    yield done
+                    return
                 self.ops.outcomes.stream_failed(label)
                 log.warning("stream failed: %r", e)
                 err = (_timed_out(self.timeout_s) if isinstance(e, asyncio.TimeoutError) else
                        _target_failed(e) if _replica_failed(e) else
                        ApiError(500, f"generation failed: {e}", type="server_error"))
                 yield ("data: " + json.dumps(err.body()) + "\n\n").encode()
-                yield b"data: [DONE]\n\n"
+                yield _DONE
             finally:
                 once()
 
