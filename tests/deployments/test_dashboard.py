@@ -3,9 +3,10 @@ an API key, a draft model pool that autoscales beside a suffix pool): it asks
 for the key, then shows the same figures as /v1/spec/stats (acceptance per
 draft and per position, coverage, K, tokens/s, TTFT/TPOT, replicas per pool,
 autoscaling decisions, each pool's kind as a badge), and a screenshot is
-saved (also to out/dashboard.png for people to look at). /metrics carries
-every specserve_* metric the Grafana dashboard of the Helm chart queries,
-and the replica counts per pool; a real Prometheus (Debian's
+saved (also to out/dashboard.png for people to look at). Requests without
+the key, or with a wrong one, get a 401 (/healthz stays open). /metrics
+carries every specserve_* metric the Grafana dashboard of the Helm chart
+queries, and the replica counts per pool; a real Prometheus (Debian's
 package, `make prometheus`) scrapes it, every dashboard expression over the
 router's metrics returns data, and the figures agree with /v1/spec/stats."""
 
@@ -92,6 +93,19 @@ def test_page_is_public_and_stats_need_the_key(app):
     # Nothing is loaded from elsewhere: no absolute URLs in src/href attributes.
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert get(f"{app.url}/v1/spec/stats")[0] == 401
+
+
+def test_completions_need_the_key(app):
+    """No key or a wrong key gets a 401 with an OpenAI-style body; /healthz
+    stays open; the right key is served."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for headers in (None, {"Authorization": "Bearer wrong"}):
+        status, err = post(f"{app.url}/v1/completions", body, headers)
+        assert status == 401 and err["error"]["type"] == "authentication_error", err
+        assert set(err["error"]) >= {"message", "type", "code"}
+    assert get(f"{app.url}/healthz")[0] == 200
+    status, ok = post(f"{app.url}/v1/completions", body, AUTH)
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2
 
 
 def test_stats_have_pools_and_autoscaling_decisions(app):
