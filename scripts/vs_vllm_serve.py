@@ -172,6 +172,13 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     WORKLOADS["spec_bench"] = args.spec_bench
     args.out.mkdir(parents=True, exist_ok=True)
+    missing = [str(result_path(args, system, name, c)) for system in SYSTEMS
+               if args.only and system not in args.only
+               for c in args.concurrency for name in WORKLOADS
+               if not result_path(args, system, name, c).is_file()]
+    if missing:  # before any server starts
+        p.error(f"--only needs the other systems' results in --out; missing: {missing[0]}"
+                + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     from specserve.models import DEFAULT_MODEL_NAME, ensure_default_model
 
     tokenizer = str(ensure_default_model())  # the model folder both servers load
