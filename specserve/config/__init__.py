@@ -8,6 +8,7 @@
 - `quotas`: per-request limits, the target queue, the request timeout;
 - `suffix`: the suffix draft pool's memory bounds and drafting rule;
 - `http`: the HTTP ingress (listen address, API keys, body size);
+- `grpc_tls`: mutual TLS on the draft -> target stream;
 - `routing`: how target and draft replicas are chosen (prefix within a load bound);
 - `naming`: the draft pool name rule and names made from model folders;
 - `fit`: what the deployments ask of a local cluster, checked before Ray starts.
@@ -15,6 +16,7 @@
 Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 """
 
+from specserve.config.grpc_tls import GrpcTlsConfig
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
 from specserve.config.quotas import QuotaConfig
@@ -31,7 +33,6 @@ from specserve.config.schema import (
     Autoscaling,
     DraftConfig,
     EngineConfig,
-    GrpcTlsConfig,
     HttpConfig,
     RayConfig,
     Resources,

@@ -2,7 +2,7 @@
 
 Owns `AppConfig` and its parts (the target pool, the draft pools, speculation
 settings K and W, the HTTP ingress, the quotas, replica routing, how to reach Ray,
-gRPC TLS). Every field
+gRPC TLS: the sections with modules of their own are imported). Every field
 carries a `description=`: that text is the reference documentation of every key
 in `cluster/*.yaml` and of the Helm values, which are generated from this model.
 Owns the cross-field checks that must fail at load time, before anything starts
@@ -31,6 +31,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from specserve.config.base import _require_non_empty, _Strict
 from specserve.config.loading import (DEFAULT_CONFIG_PATH, MODEL_DRAFT_CONFIG_PATH, ConfigError,
                                       read_yaml, validation_error)
+from specserve.config.grpc_tls import GrpcTlsConfig
 from specserve.config.http import HttpConfig
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE, pool_names
 from specserve.config.quotas import QuotaConfig
@@ -312,34 +313,6 @@ class RayConfig(_Strict):
             raise ValueError(f"num_cpus only sizes a local cluster, but address is "
                              f"{self.address!r}; remove num_cpus or address")
         return self
-
-
-class GrpcTlsConfig(_Strict):
-    """Mutual TLS on the draft -> target gRPC stream. Each file must exist on every
-    node that runs a draft or target replica (checked there, when used)."""
-
-    ca_file: str = Field(
-        description="PEM file of the CA that signed the sinks' and drafts' certificates; "
-                    "both ends check the other's certificate against it.")
-    cert_file: str = Field(
-        description="PEM certificate this replica presents: the sink's server certificate "
-                    "on targets, the client certificate on drafts.")
-    key_file: str = Field(description="PEM private key of cert_file.")
-    server_name: str | None = Field(
-        None,
-        description="Name drafts expect in the sink's certificate (sinks are dialled by IP "
-                    "address). Null: the address itself must be in the certificate.")
-    draft_names: list[str] = Field(
-        default_factory=lambda: ["specserve-draft"],
-        description="Names of which a draft's certificate must carry one (its common name or "
-                    "a subject alternative name): the sink refuses other certificates the CA "
-                    "signed (a target's own) with PERMISSION_DENIED. Empty: any certificate "
-                    "the CA signed.")
-
-    @field_validator("ca_file", "cert_file", "key_file", "server_name")
-    @classmethod
-    def _not_empty(cls, v, info):
-        return _require_non_empty(v, info.field_name)
 
 
 class RouterConfig(_Strict):
