@@ -1,4 +1,4 @@
-"""The one builder: wires Router, TargetServer and DraftServers into Ray Serve.
+"""The one builder: wires Router, LedgerServer, TargetServer and DraftServers into Ray Serve.
 
 Only here are `serve.deployment(...).options(...).bind(...)` applied; the
 deployment classes stay plain Python. Every Serve option comes from the one
@@ -18,6 +18,7 @@ from specserve.config.live import code_part, live_part
 from specserve.placement import draft_actor_options, target_placement
 
 from deployments.draft import DraftServer
+from deployments.ledger import LedgerServer
 from deployments.router import Router
 from deployments.target import TargetServer
 
@@ -97,13 +98,23 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
         **_scaling(t.replicas, "target"),
     ).bind(config, drafts)
 
+    # The app's figures across router replicas (one replica; the routers feed
+    # it). It takes no CPU and needs no key: it runs anywhere, not in a
+    # router pod's slot (router.ray_resource).
+    ledger = serve.deployment(LedgerServer).options(
+        name="ledger",
+        ray_actor_options={"num_cpus": 0},
+        num_replicas=1,
+        health_check_period_s=10,
+    ).bind(code.speculation.num_speculative_tokens)
+
     return serve.deployment(Router).options(
         name="router",
         ray_actor_options=router_actor_options(cfg),
         max_ongoing_requests=ROUTER_MAX_ONGOING,
         user_config=live,
         **_router_scaling(cfg),
-    ).bind(config, target, list(drafts))
+    ).bind(config, target, list(drafts), ledger=ledger)
 
 
 ROUTER_MAX_ONGOING = 1024

@@ -4,7 +4,7 @@ Owns: the requests in flight per pool and the target's measured step cost as
 last fetched (refreshed in the background, never waited on by a request); the
 decision is the K controller's (`specserve.control.controller.KController`,
 the one LocalSpec uses too), from the acceptance record's measured α and
-coverage; what it last decided and why is shown in /v1/spec/stats. Never does: HTTP, or anything with a request's body.
+coverage (the whole app's, from the ledger, when there is one); what it last decided and why is shown in /v1/spec/stats. Never does: HTTP, or anything with a request's body.
 
 Built from the config and a target handle whose `spec_totals.remote()` is
 awaitable, so it is tested with a stand-in handle (tests/deployments/test_router_k.py).
@@ -32,6 +32,9 @@ class DraftChoice:
         self.target = target
         self.draft_names = list(draft_names)
         self.stats = stats
+        # The app's acceptance per draft model, every router's requests (from
+        # the ledger, deployments.ops.OpsViews.flush); None: this router's own.
+        self.fleet_by_model: dict | None = None
         self.inflight: dict[str | None, int] = {}
         self.controller = KController(0, {})
         self.configure(config)
@@ -97,7 +100,8 @@ class DraftChoice:
                 if measured is not None else None)
         # decode rows per target replica, this request included
         rows = (sum(self.inflight.values()) + 1) / self.target_replicas
-        choice = self.controller.choose(self.stats.by_model, self.inflight, self.load(),
+        by_model = self.stats.by_model if self.fleet_by_model is None else self.fleet_by_model
+        choice = self.controller.choose(by_model, self.inflight, self.load(),
                                         cost, rows, waits)
         self.stats.current_k.update(self.controller.current_k)
         return choice

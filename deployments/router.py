@@ -36,6 +36,7 @@ from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
 from specserve.openai_api import ApiError, TargetUnavailable
 
+from deployments import replica_name
 from deployments.choice import DraftChoice
 from deployments.ops import OpsViews, ServeMetrics, dashboard_page
 
@@ -221,9 +222,12 @@ def keys_for(path: str, api_keys: tuple[str, ...],
 
 class Router:
     def __init__(self, config: dict, target, draft_names: list[str],
-                 serve_metrics: bool = True):
+                 serve_metrics: bool = True, ledger=None):
         """target: the target deployment's handle; serve_metrics: also export
-        the figures as Ray Serve metrics (needs Ray)."""
+        the figures as Ray Serve metrics (needs Ray); ledger: the ledger
+        deployment's handle (deployments.ledger; None: this router's figures
+        only)."""
+
         self.config = AppConfig.model_validate(config)
         self.target = target
         self.api_keys = self.config.http.api_keys()  # api_key_env: from a Secret
@@ -234,7 +238,8 @@ class Router:
         self.choice = DraftChoice(self.config, target, draft_names, self.stats)
         kinds = self.config.draft_kinds()
         self.ops = OpsViews(self.stats, self.choice, target, _bounds(self.config), kinds,
-                            metrics=ServeMetrics(kinds) if serve_metrics else None)
+                            metrics=ServeMetrics(kinds) if serve_metrics else None,
+                            ledger=ledger, router=replica_name())
 
     def reconfigure(self, live: dict) -> None:
         """The live settings (`specserve.config.live`: K, the K controller's
@@ -255,6 +260,7 @@ class Router:
         from starlette.responses import StreamingResponse
 
         route = route_label(request.url.path)
+        self.ops.start_flushing()
         outcomes = self.ops.outcomes
         outcomes.started(route)
         try:

@@ -28,6 +28,8 @@ read more of a request than its messages, prompt or prompt token ids.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from collections import OrderedDict
 
@@ -57,6 +59,12 @@ _TALLIES: dict[str, Tally] = {}
 def tallies(prefix: str = "") -> dict[str, dict]:
     """The choices of this process's affinity routers, by deployment, by reason."""
     return {name: t.snapshot() for name, t in sorted(list(_TALLIES.items()))
+            if name.startswith(prefix)}
+
+
+def tally_copies(prefix: str = "") -> dict[str, Tally]:
+    """The same as Tally objects (copies), for the ledger (specserve.acceptance.ledger)."""
+    return {name: copy.deepcopy(t) for name, t in sorted(list(_TALLIES.items()))
             if name.startswith(prefix)}
 
 

@@ -275,8 +275,10 @@ class TargetServer:
                     self._refresh_branches())
             if fresh:
                 counters = await asyncio.shield(self._branches_task)
+        # at: when these cumulative figures were taken (the router's ledger
+        # keeps a replica's newest, whatever order the routers send them in)
         return {"replica": replica_name(), "model_name": self.config.target.served_name(),
-                "engine": self.totals.snapshot(), "branches": counters}
+                "at": time.time(), "engine": self.totals.snapshot(), "branches": counters}
 
     async def _refresh_branches(self) -> dict:
         counters = await self.branch_counters()

@@ -46,6 +46,10 @@ class ReplicaTable:
         """Serve's running target replicas (ids as `serve.get_replica_context().replica_tag`)."""
         self._running = (now, set(replicas))
 
+    def running_as(self, other: "ReplicaTable") -> None:
+        """Take Serve's running replicas as `other` was last told them."""
+        self._running = other._running
+
     def update(self, report: dict, now: float) -> None:
         """report: {"replica", "model_name", "engine": {...}, "branches":
         {"model/replica": counters}} from one target replica."""

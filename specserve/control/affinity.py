@@ -200,6 +200,13 @@ class Tally:
         self.matched_keys += matched
         self.keys += keys
 
+    def add(self, other: "Tally") -> None:
+        """Add another router's choices (the app's figures, specserve.acceptance.ledger)."""
+        for reason, n in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+        self.matched_keys += other.matched_keys
+        self.keys += other.keys
+
     def snapshot(self) -> dict:
         return {"choices": dict(self.counts),
                 "prefix_match_rate": (self.matched_keys / self.keys) if self.keys else None}

@@ -3,7 +3,8 @@ Ray, no engine. It forwards the body as it came and passes the target's answer
 back (JSON and SSE), feeds the records to the acceptance picture, refuses what
 is its own to refuse (401, 404 route, readable 413), says healthy only when a
 target replica answers, retries once on a dead replica, and its ops views
-answer at once while no target replica is up."""
+answer at once while no target replica is up. Several routers show the same
+figures from the ledger, through a router's and the ledger's restarts."""
 
 import asyncio
 import json
@@ -12,7 +13,8 @@ import logging
 import pytest
 
 from deployments.router import HEALTH_WAIT_S, Router
-from fake_target import FakeRemote, FakeStream, FakeTarget, json_answer, replica_report, sse_answer
+from fake_target import (FakeLedger, FakeRemote, FakeStream, FakeTarget, json_answer,
+                         replica_report, sse_answer)
 from specserve.acceptance.record import Acceptance, TargetReport
 from specserve.acceptance.stats import RequestRecord
 from specserve.openai_api import ApiError
@@ -501,3 +503,68 @@ def test_each_pool_shows_its_kind_and_its_measured_wait_enters_the_k_choice():
             in text)
     assert ('specserve_proposer_steps_total{target_replica="t1",draft_model="sfx",'
             'draft_replica="s0",kind="suffix"} 50') in text
+
+
+def test_routers_show_the_apps_figures_from_the_ledger_through_restarts(monkeypatch):
+    """Two routers feed one ledger (deployments/ledger.py): each one's views
+    count both routers' requests; a router restarted (new id, counters from
+    zero) and the ledger restarted from its checkpoint take nothing back; with
+    the ledger gone a view says it shows this router's figures only."""
+    from deployments import ledger as ledger_module
+    from deployments.ledger import LedgerServer
+    from specserve.acceptance.ledger import Outbox
+
+    monkeypatch.setattr(ledger_module, "CHECKPOINT_S", 0.0)
+    monkeypatch.setattr("deployments.ops.REMOTE_WAIT_S", 0.2)
+    kv = {}
+    store = type("KV", (), {"get": staticmethod(kv.get), "put": staticmethod(kv.__setitem__)})()
+
+    def new_router(name, ledger, requests):
+        target = FakeTarget([FakeStream(json_answer(b"{}", records=[record()]))
+                             for _ in range(requests)])
+        r = Router(json.loads(json.dumps(CONFIG)), target, ["same"], serve_metrics=False,
+                   ledger=ledger)
+        r.ops.outbox = Outbox(name)  # one process here: replica ids by hand
+        r.ops._serve_status = lambda: {}
+        r.ops._decisions = target.draft_active.remote
+        return r
+
+    async def requests_seen(r):
+        _, _, got = await answer(r, request("GET", "/v1/spec/stats"))
+        snap = json.loads(got)
+        return snap["draft_models"][0]["requests"], snap["figures"]
+
+    async def served(r, n):
+        for _ in range(n):
+            status, _, _ = await answer(r, request("POST", "/v1/completions", b"{}"))
+            assert status == 200
+
+    async def go():
+        ledger = FakeLedger(LedgerServer(4, kv=store, app="test"))
+        a, b = new_router("a", ledger, 2), new_router("b", ledger, 1)
+        await served(a, 2)
+        await served(b, 1)
+        await asyncio.sleep(0.05)  # records go to the ledger right after each response
+        seen_b, figures = await requests_seen(b)
+        seen_a, _ = await requests_seen(a)
+        assert seen_a == seen_b == 3 and figures["source"] == "ledger", (seen_a, seen_b, figures)
+        assert figures["routers"] == ["a", "b"]
+        _, _, text = await answer(b, request("GET", "/metrics"))
+        assert 'specserve_http_responses_total{route="/v1/completions",status="200"} 3' in text.decode()
+        # router a restarts: a new replica, its own counts from zero
+        a = new_router("a2", ledger, 1)
+        await served(a, 1)
+        assert (await requests_seen(b))[0] == 4
+        # the ledger restarts from its checkpoint
+        await asyncio.sleep(0.05)  # the checkpoint is written in the background
+        restarted = FakeLedger(LedgerServer(4, kv=store, app="test"))
+        a.ops.ledger = b.ops.ledger = restarted
+        assert (await requests_seen(a))[0] == 4
+        # no ledger: this router's own figures, and why
+        a.ops.ledger = b.ops.ledger = type("Gone", (), {"add": FakeRemote(hang=True),
+                                                       "view": FakeRemote(hang=True)})()
+        seen, figures = await requests_seen(a)
+        assert seen == 1 and figures["source"] == "this router", figures
+        assert figures["why"].startswith("unavailable") and figures["unsent_records"] >= 0
+
+    asyncio.run(go())

@@ -3,7 +3,8 @@
 Greedy text equals transformers' target-only greedy text, through completions
 and chat, streaming and not; bad requests get a 400 (an unknown model a
 404) with an OpenAI-style error and the server keeps serving; with its only draft replica killed, requests are
-still served (target alone); SIGTERM shuts everything down.
+still served (target alone); SIGTERM shuts everything down. The app runs two
+router replicas: its figures add up over both and survive one killed.
 """
 
 import os
@@ -40,10 +41,11 @@ def tiny_config(models, drafts, tp=1, draft_replicas=1):
 def app(tiny_models, tmp_path_factory):
     # Two draft pools: an unrelated model and the target itself. A slower target step (emulated, as in tests/conftest.py)
     # lets drafts arrive in time, so acceptance can be measured.
-    server = ServeProcess(tiny_config(tiny_models, [("unrelated", "unrelated"),
-                                                     ("same", "target")]),
-                          tmp_path_factory.mktemp("serve"),
-                          env=SLOW_TARGET_ENV)
+    # Two router replicas: every figure below is the app's (the ledger's),
+    # whichever router answers.
+    config = tiny_config(tiny_models, [("unrelated", "unrelated"), ("same", "target")])
+    config["router"] = {"replicas": {"min_replicas": 2, "max_replicas": 2}}
+    server = ServeProcess(config, tmp_path_factory.mktemp("serve"), env=SLOW_TARGET_ENV)
     try:
         server.wait_ready("tiny")
         yield server
@@ -175,7 +177,7 @@ def test_acceptance_steers_requests_and_k(app, expected):
 
 
 def test_routing_by_prefix_says_why(app, tiny_models):
-    """A two-turn conversation goes through the prefix routers (target and
+    """A three-turn conversation goes through the prefix routers (target and
     draft, `routing:`): /v1/spec/stats counts each choice and how much of
     the prefix the chosen replica held; greedy text = target-only."""
     from transformers import AutoTokenizer
@@ -194,7 +196,9 @@ def test_routing_by_prefix_says_why(app, tiny_models):
     _, before = get(f"{app.url}/v1/spec/stats")
     msgs = [{"role": "system", "content": "Answer in the voice of a patient librarian. " * 2},
             {"role": "user", "content": PROMPTS[1]}]
-    for turn in range(2):
+    # Three turns: the app has two routers, each with its own prefix index;
+    # by the third turn a router that saw an earlier turn routes one.
+    for turn in range(3):
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         want = tok.decode(greedy_ids_for(tiny_models["target"], [list(ids)], MAX_TOKENS)[0])
@@ -202,9 +206,9 @@ def test_routing_by_prefix_says_why(app, tiny_models):
         assert r.choices[0].message.content == want, turn
         msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "More."}]
     _, after = get(f"{app.url}/v1/spec/stats")
-    assert counts(after, "target") == counts(before, "target") + 2, after["routing"]
+    assert counts(after, "target") == counts(before, "target") + 3, after["routing"]
     assert counts(after, "drafts") >= counts(before, "drafts") + 1, after["routing"]
-    # The second turn found its first turn's prefix on the replica it went to.
+    # A later turn found an earlier turn's prefix on the replica it went to.
     assert after["routing"]["target"]["prefix_match_rate"] > 0, after["routing"]
 
 
@@ -257,6 +261,70 @@ def test_metrics_are_prometheus_text(app):
         time.sleep(2)
     assert running and running == snap["target_replicas"]["reported"], snap["target_replicas"]
     assert f'specserve_target_batch_size{{target_replica="{running[0]}"}}' in text
+
+
+def _counter(text: str, name: str, **labels) -> float:
+    """The sum of a counter's samples (those with `labels`) in a scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def _scrape(app) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{app.url}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def test_figures_add_up_over_routers_and_survive_one_killed(app, expected):
+    """Both routers feed the ledger: /v1/spec/stats names them and its
+    request count grows by exactly the requests sent, whichever router
+    answered; with a router replica killed, no counter goes back."""
+    ok = dict(route="/v1/completions", status="200")
+    c = client(app)
+    deadline = time.monotonic() + 60  # both routers have sent their first batch
+    while len((figures := get(f"{app.url}/v1/spec/stats")[1]["figures"])["routers"] or []) < 2:
+        assert time.monotonic() < deadline, figures
+        time.sleep(1)
+    assert figures["source"] == "ledger", figures
+    before = _scrape(app)
+    for prompt in PROMPTS * 3:
+        assert c.completions.create(model="tiny", prompt=prompt, **GREEDY).choices[0].text
+    # (each router sends its records right after the response: give the
+    # last one's a moment to land before the scrape that another router answers)
+    deadline = time.monotonic() + 10
+    while True:
+        after = _scrape(app)
+        grown = [_counter(after, n, **labels) - _counter(before, n, **labels)
+                 for n, labels in (("specserve_http_responses_total", ok),
+                                   ("specserve_requests_total", {}))]
+        if min(grown) >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert grown == [6, 6]
+    routers = [p for p in psutil.Process(app.proc.pid).children(recursive=True)
+               if "ServeReplica:specserve:router" in " ".join(p.cmdline())]
+    assert len(routers) == 2, routers
+    os.kill(routers[0].pid, signal.SIGKILL)
+    served = 0
+    deadline = time.monotonic() + 90
+    while served < 2:  # Serve's proxy may pick the dead router until it knows
+        assert time.monotonic() < deadline, "no request served after a router was killed"
+        try:
+            r = c.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY)
+            assert r.choices[0].text == expected["plain"][0]
+            served += 1
+        except Exception:  # the dead router's connection
+            time.sleep(1)
+    later = _scrape(app)
+    for name, labels in (("specserve_http_responses_total", ok),
+                         ("specserve_requests_total", {}),
+                         ("specserve_output_tokens_total", {})):
+        assert _counter(later, name, **labels) >= _counter(after, name, **labels), name
+    assert (_counter(later, "specserve_http_responses_total", **ok)
+            >= _counter(after, "specserve_http_responses_total", **ok) + 2)
 
 
 def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):

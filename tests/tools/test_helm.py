@@ -328,8 +328,11 @@ def test_serve_builds_the_gpu_app_that_fits_its_pods():
     built = build_app(call_user_app_builder_with_args_if_necessary(
         import_attr(app["import_path"]), app["args"]), name=app["name"], default_runtime_env={})
     deployments = {d.name: d for d in built.deployments}
-    assert set(deployments) == {"router", "target", "draft-llama-1b", "draft-llama-8b"}
+    assert set(deployments) == {"router", "ledger", "target", "draft-llama-1b", "draft-llama-8b"}
     assert built.ingress_deployment_name == "router"
+    # The ledger (the app's figures across routers) needs no router pod slot.
+    assert deployments["ledger"]._replica_config.ray_actor_options["num_cpus"] == 0
+    assert "resources" not in deployments["ledger"]._replica_config.ray_actor_options
 
     g = groups(rs)
     limits = {name: container(group)["resources"]["limits"] for name, group in g.items()}
