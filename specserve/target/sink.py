@@ -145,6 +145,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # verified update out -> first fresh drafts, the latest round trips
         self._round_trips: collections.deque = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
         self._last_propose: float | None = None
+        self.last_wait_s = 0.0  # the bounded wait of the last propose() (0: none)
         # The verify step's cost a + b · tokens, fitted over steady decode steps
         # (same rows, every row sampling): what one more verified token costs.
         self._cost_fit = StepCostFit()
@@ -196,6 +197,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         num_tokens_no_spec); keys[i]: row i's request id (None: unknown; no drafts)."""
         nrows = len(active)
         start = time.monotonic()
+        self.last_wait_s = 0.0
         with self._lock:
             if self._last_propose is not None and start - self._last_propose < 2.0:
                 # (longer: the engine was idle, not stepping)
@@ -223,7 +225,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         if misses:
             bound = self.wait_bound(sum(1 for a in active if a), len(misses), k)
             if bound > 0:
+                wait_start = time.monotonic()
                 got = self._wait(lengths, misses, k, start + bound)
+                # the wait alone (the bench tells it from propose()'s own work)
+                self.last_wait_s = time.monotonic() - wait_start
                 for i, tokens in got.items():
                     proposals[i] = tokens
                 waited = time.monotonic() - start

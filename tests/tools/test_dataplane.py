@@ -50,13 +50,17 @@ def test_plan_defaults_and_refusals():
 
 def test_cell_figures_and_table():
     f = w.cell_figures(
-        256, 8192, 4, propose_s=[0.001, 0.002, 0.003], steps_s=[0.022, 0.022],
+        256, 8192, 4, propose_s=[0.001, 0.002, 0.003], waits_s=[0.0, 0.0, 0.0025],
+        steps_s=[0.022, 0.022],
         baseline_steps_s=[0.02, 0.02], round_trips_s=[0.004, 0.006], missed_round_trips=1,
         sink_delta={"draft_tokens_buffered": 900, "rows_seen": 10, "rows_with_proposals": 5},
         seconds=2.0, drafts_delta={"drafted_tokens": 1000, "wire_tokens": 5000, "cpu_s": 1.0},
         drafts_seconds=2.0, rss_mb=64.0, gained=30, verify_steps=10, cpu_s=1.5,
         legs=([0.001, 0.003], [0.003, 0.003]))
     assert f["propose_p50_ms"] == 2.0 and f["loop_slowdown"] == 1.1
+    # the work without the bounded wait: 1, 2 and 0.5 ms; one step waited
+    assert f["propose_work_p50_ms"] == 1.0 and f["steps_waited"] == 1
+    assert f["wait_p99_ms"] == 2.5
     assert f["offered_tokens_per_s"] == 500.0 and f["ingest_tokens_per_s"] == 450.0
     assert f["round_trip_p50_ms"] == 5.0 and f["round_trips_unanswered"] == 1
     assert f["draft_sender_tokens_per_s"] == 2500.0 and f["rss_mb_per_1k_requests"] == 250.0

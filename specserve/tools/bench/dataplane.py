@@ -243,8 +243,9 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     drafts.heard(f"{label}/0")  # (forgets what came before the measured window)
     s0, t0, cpu0 = sink.stats(), time.monotonic(), time.process_time()
     watch.reset()
-    g0, v0 = loop.gained, loop.verify_steps
+    g0, v0, w0 = loop.gained, loop.verify_steps, len(loop.waits)
     steps, proposes = loop.run_for(plan.duration_s, between)
+    waits = loop.waits[w0:w0 + len(proposes)]
     s1, t1, cpu1 = sink.stats(), time.monotonic(), time.process_time()
     watch.collect(t1)
     # (answers to the window's last updates, before the drafts are asked)
@@ -262,7 +263,7 @@ def run_cell(rows: int, context: int, plan: Plan, proposer, drafts: DraftProcess
     del loop
     baseline_steps += _baseline(rows, context, plan, gil_work, plan.baseline_s / 2)
     figures = cell_figures(
-        rows, context, plan.k, propose_s=proposes, steps_s=steps,
+        rows, context, plan.k, propose_s=proposes, waits_s=waits, steps_s=steps,
         baseline_steps_s=baseline_steps, round_trips_s=trips["round_trips"],
         missed_round_trips=trips["unanswered"], sink_delta=minus(s1, s0), seconds=t1 - t0,
         drafts_delta=minus(d1, d0), drafts_seconds=td1 - td0, rss_mb=max(rss1 - rss0, 0.0),

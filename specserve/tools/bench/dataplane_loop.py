@@ -76,6 +76,7 @@ class EngineLoop:
         self.rids = [""] * rows  # engine request ids
         self._seeds = iter(range(plan.seed * 1_000_000_007 + rows * context, 1 << 62))
         self.gained = self.verify_steps = 0
+        self.waits: list[float] = []  # per step with a proposer: the sink's bounded wait
         # Engine steps a row still prefills (0: decoding; HELD: until activate_all()).
         # A prefilling row samples nothing, so propose() skips it, as vLLM's
         # chunked prefill has it; meanwhile its draft opens the request.
@@ -127,6 +128,8 @@ class EngineLoop:
         if self.proposer is not None:
             proposals = self.proposer.propose(self.sampled, self.num_tokens, self.token_ids)
             took = time.monotonic() - t0
+            # of which the sink's bounded wait for fresh drafts (a decision, not work)
+            self.waits.append(getattr(self.proposer.sink, "last_wait_s", 0.0))
         self._verify(proposals)
         _busy(self.gil_work)  # the model runner launching kernels
         time.sleep(self.gpu_s)  # the GPU

@@ -155,12 +155,16 @@ def _rate(n: float, seconds: float) -> float:
 
 def cell_figures(rows: int, context: int, k: int, *, propose_s: Sequence[float],
                  steps_s: Sequence[float], baseline_steps_s: Sequence[float],
+                 waits_s: Sequence[float] = (),
                  round_trips_s: Sequence[float], missed_round_trips: int,
                  sink_delta: dict, seconds: float, drafts_delta: dict, drafts_seconds: float,
                  rss_mb: float, gained: int, verify_steps: int, cpu_s: float = 0.0,
                  legs: tuple[Sequence[float], Sequence[float]] = ((), ())) -> dict:
-    """One cell's figures (the JSON's documented keys first, then the context to read them)."""
+    """One cell's figures (the JSON's documented keys first, then the context to read them).
+    waits_s[i]: the sink's bounded wait within propose_s[i] (0: it did not wait)."""
     mean = sum(steps_s) / len(steps_s) if steps_s else None
+    waits = list(waits_s) or [0.0] * len(propose_s)
+    work = [p - w for p, w in zip(propose_s, waits)]
     base = sum(baseline_steps_s) / len(baseline_steps_s) if baseline_steps_s else None
     seen = sink_delta.get("rows_seen", 0)
     return {
@@ -173,6 +177,11 @@ def cell_figures(rows: int, context: int, k: int, *, propose_s: Sequence[float],
         "draft_sender_tokens_per_s": _rate(drafts_delta.get("wire_tokens", 0), drafts_seconds),
         "rss_mb_per_1k_requests": round(rss_mb / rows * 1000.0, 1),
         # to read the above
+        # propose() without the bounded wait (its own work: the lock, the book,
+        # the verified batches), and the steps it held for fresh drafts
+        "propose_work_p50_ms": _ms(work, 50), "propose_work_p99_ms": _ms(work, 99),
+        "steps_waited": sum(1 for w in waits if w > 0),
+        "wait_p99_ms": _ms([w for w in waits if w > 0], 99),
         "step_ms": round(mean * 1000.0, 3) if mean else None,
         "baseline_step_ms": round(base * 1000.0, 3) if base else None,
         "steps": len(steps_s),
