@@ -8,6 +8,7 @@ error and exit code 2, before any engine starts. Commands:
   specserve bench            target-only, vLLM's draft_model and specserve side by side
   specserve bench dataplane  the draft -> target data plane alone (no model; tools/bench/dataplane.py)
   specserve bench routing    target routing by prefix vs Serve's default (tools/bench/routing.py)
+  specserve bench fleet      the fleet suffix memory vs each request's own (tools/bench/fleet.py)
   specserve distill          distil a draft out of a target's own layers (cli/tools.py)
   specserve models default   make the default model and its draft available in the local cache
   specserve simulate         capacity simulator (pure; specserve/tools/simulate/)

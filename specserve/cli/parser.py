@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.tools.bench.routing import add_arguments as add_routing
 
     add_routing(rt, positive_int)
+    fl = bsub.add_parser("fleet", help="the suffix pool's memory shared across requests and "
+                         "target replicas against each request's own: acceptance, coverage, "
+                         "tok/s on a family of near-identical requests over two target "
+                         "replicas")
+    from specserve.tools.bench.fleet import add_arguments as add_fleet
+
+    add_fleet(fl, positive_int)
 
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)

@@ -1,4 +1,4 @@
-"""The edges of the tool commands: `specserve bench` (`bench dataplane`, `bench routing`) and `specserve distill`.
+"""The edges of the tool commands: `specserve bench` (`bench dataplane`, `bench routing`, `bench fleet`) and `specserve distill`.
 
 Owns checking their models and flags (one line, exit 2) and printing what
 they return; the bodies are `specserve.tools.bench` and
@@ -22,6 +22,8 @@ def run_bench(args) -> int:
         return run_dataplane(args)
     if getattr(args, "bench_command", None) == "routing":
         return run_routing(args)
+    if getattr(args, "bench_command", None) == "fleet":
+        return run_fleet(args)
     from specserve.tools.bench import report as bench_report
     from specserve.tools.bench import run as bench
     from specserve.models import ensure_default_model, tokenizers_compatible
@@ -93,6 +95,24 @@ def run_routing(args) -> int:
     with tempfile.TemporaryDirectory(prefix="specserve-bench-routing-") as work:
         report = routing.run(args, Path(work))
     print(routing.markdown(report))
+    return 0
+
+
+def run_fleet(args) -> int:
+    """`specserve bench fleet`: the body is specserve/tools/bench/fleet.py."""
+    import tempfile
+
+    from specserve.tools.bench import fleet
+
+    if args.target:
+        args.target = model_dir(args.target, "target")
+    try:
+        fleet.check(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    with tempfile.TemporaryDirectory(prefix="specserve-bench-fleet-") as work:
+        report = fleet.run(args, Path(work))
+    print(fleet.markdown(report))
     return 0
 
 

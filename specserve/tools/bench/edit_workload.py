@@ -106,10 +106,15 @@ def generate(seed: int = SEED, per_category: int = PER_CATEGORY) -> list[dict]:
     for cat, make in makers:
         for i in range(per_category):
             out.append({"question_id": f"{cat}-{i}", "category": cat, "turns": [make(rng)]})
-    for i in range(per_category):
-        out.append({"question_id": f"family-{i}", "category": "family",
-                    "turns": [_family(rng, i)]})
-    return out
+    return out + family(per_category, rng)
+
+
+def family(n: int, rng: random.Random | None = None) -> list[dict]:
+    """n members of the family category: one template, the name changed (the
+    records' order is the members')."""
+    rng = rng or random.Random(SEED)
+    return [{"question_id": f"family-{i}", "category": "family", "turns": [_family(rng, i)]}
+            for i in range(n)]
 
 
 def render(records: list[dict]) -> str:
