@@ -105,6 +105,9 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
         name="ledger",
         ray_actor_options={"num_cpus": 0},
         num_replicas=1,
+        # every router's batches and views (each answered at once, in memory):
+        # not Serve's default of 5 at a time
+        max_ongoing_requests=LEDGER_MAX_ONGOING,
         health_check_period_s=10,
     ).bind(code.speculation.num_speculative_tokens)
 
@@ -118,6 +121,7 @@ def build_app(cfg: AppConfig, target_cls=TargetServer, draft_cls=DraftServer):
 
 
 ROUTER_MAX_ONGOING = 1024
+LEDGER_MAX_ONGOING = 256
 
 
 def router_actor_options(cfg: AppConfig) -> dict:
