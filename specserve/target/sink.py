@@ -227,7 +227,6 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             if bound > 0:
                 wait_start = time.monotonic()
                 got = self._wait(lengths, misses, k, start + bound)
-                # the wait alone (the bench tells it from propose()'s own work)
                 self.last_wait_s = time.monotonic() - wait_start
                 for i, tokens in got.items():
                     proposals[i] = tokens

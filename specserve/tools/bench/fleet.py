@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from specserve.tools.bench.edit_workload import _NAMES, family
+from specserve.tools.bench.stats import fmt, markdown_table
 from specserve.tools.serveproc import ServeProcess, get, post
 
 SYSTEMS = ("shared", "unshared")
@@ -119,27 +120,25 @@ def run_system(target: str, system: str, prompts: list[str], max_tokens: int, ro
 
 
 def markdown(report: dict) -> str:
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
+    def rate(r):
+        return f"{fmt(r['acceptance_rate'], 3)} ({r['accepted_tokens']} / {r['draft_tokens']})"
 
-    rows = ["| system | accepted / drafted | coverage | mean acc. len | tok/s | "
-            "requests per target replica | wall (s) |", "|---|---|---|---|---|---|---|"]
-    for name, r in report["systems"].items():
-        rows.append(f"| {name} | {f(r['acceptance_rate'], '.3f')} "
-                    f"({r['accepted_tokens']} / {r['draft_tokens']}) | "
-                    f"{f(r['coverage'], '.3f')} | {f(r['mean_accepted_length'], '.2f')} | "
-                    f"{r['output_tokens_per_s']:.2f} | "
-                    f"{', '.join(str(n) for n in r['requests_per_replica'])} | "
-                    f"{r['wall_s']:.1f} |")
-    w = report["workload"]
-    systems = report["systems"]
+    cells = [{"system": name, "acceptance": rate(r), "coverage": fmt(r["coverage"], 3),
+              "length": fmt(r["mean_accepted_length"]), "tps": fmt(r["output_tokens_per_s"]),
+              "replicas": ", ".join(str(n) for n in r["requests_per_replica"]),
+              "wall": fmt(r["wall_s"], 1)} for name, r in report["systems"].items()]
+    table = markdown_table(cells, [
+        ("system", "system"), ("acceptance", "accepted / drafted"), ("coverage", "coverage"),
+        ("length", "mean acc. len"), ("tps", "tok/s"),
+        ("replicas", "requests per target replica"), ("wall", "wall (s)")])
+    w, systems = report["workload"], report["systems"]
     ratio = ""
     if {"shared", "unshared"} <= set(systems) and systems["unshared"]["acceptance_rate"] \
             and systems["shared"]["acceptance_rate"] is not None:
         ratio = (f"\n\nshared / unshared acceptance: "
                  f"{systems['shared']['acceptance_rate'] / systems['unshared']['acceptance_rate']:.2f}x")
     return (f"{w['members']} family members x {w['rounds']} rounds, {w['max_tokens']} tokens "
-            f"each, one at a time, two target replicas\n\n" + "\n".join(rows) + ratio)
+            f"each, one at a time, two target replicas\n\n" + table + ratio)
 
 
 def run(args, work: Path) -> dict:
