@@ -15,10 +15,10 @@ replica (`specserve.acceptance.replicas.ReplicaTable`); every family on
 With more than one router replica the figures are the app's, not this
 router's: every router sends what it records to the ledger
 (`deployments.ledger.LedgerServer`) after each response, every FLUSH_S and
-before it renders a view, and the views render the ledger's figures, which add up every router
-and survive a router's restart. When the ledger does not answer, a view
-renders this router's own figures and says so (`figures.source`). Never does:
-serve requests or choose drafts.
+before it renders a view, and the views render the ledger's figures, which
+add up every router and survive a router's restart. When the ledger does not
+answer, a view renders this router's own figures and says so
+(`figures.source`). Never does: serve requests or choose drafts.
 """
 
 from __future__ import annotations

@@ -227,7 +227,6 @@ class Router:
         the figures as Ray Serve metrics (needs Ray); ledger: the ledger
         deployment's handle (deployments.ledger; None: this router's figures
         only)."""
-
         self.config = AppConfig.model_validate(config)
         self.target = target
         self.api_keys = self.config.http.api_keys()  # api_key_env: from a Secret

@@ -29,7 +29,6 @@ read more of a request than its messages, prompt or prompt token ids.
 from __future__ import annotations
 
 import copy
-
 import logging
 from collections import OrderedDict
 
