@@ -8,6 +8,7 @@ router replicas: its figures add up over both and survive one killed.
 """
 
 import os
+import secrets
 import signal
 import time
 
@@ -45,7 +46,11 @@ def app(tiny_models, tmp_path_factory):
     # whichever router answers.
     config = tiny_config(tiny_models, [("unrelated", "unrelated"), ("same", "target")])
     config["router"] = {"replicas": {"min_replicas": 2, "max_replicas": 2}}
-    server = ServeProcess(config, tmp_path_factory.mktemp("serve"), env=SLOW_TARGET_ENV)
+    # Ray's token authentication on (what `specserve serve` takes from Ray's
+    # own variables, as the chart's rayAuth sets them): the app serves with it.
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    server = ServeProcess(config, tmp_path_factory.mktemp("serve"),
+                          env={**SLOW_TARGET_ENV, **token})
     try:
         server.wait_ready("tiny")
         yield server
