@@ -25,8 +25,8 @@ import pytest
 from conftest import SLOW_TARGET_ENV
 from grafana import as_promql, grafana_expressions
 from prometheus_server import scraping
-from serve_client import (busiest_replica, in_threads, kill_replica, start_streams, stats,
-                          wait_for)
+from serve_client import (busiest_replica, in_threads, kill_replica, replica_processes,
+                          start_streams, stats, wait_for)
 from specserve.tools.serveproc import ServeProcess, get, post
 
 pytestmark = pytest.mark.slow
@@ -193,8 +193,9 @@ def test_a_target_replica_killed_mid_run(app, reference, tmp_path):
 
 def test_a_draft_replica_killed_mid_run_costs_speed_only(app, reference):
     prompts = [f"{c} at last" for c in CONVERSATIONS]
+    [victim] = replica_processes(app, "draft-same")  # before the streams: the lookup is slow
     streams, results = start_streams(app, prompts, LONG, 300)
-    kill_replica(app, "draft-same")
+    kill_replica(app, "draft-same", victim)
     for t in streams:
         t.join(300)
     assert not any(t.is_alive() for t in streams), "an in-flight request hangs"

@@ -253,10 +253,13 @@ def test_disconnected_clients_free_their_slots(app):
 
 
 def test_draft_replica_killed_mid_stream(app, expected):
-    old_pid = replica_processes(app, "draft-same")[0].pid
+    # Found before the streams start: the lookup walks the whole process tree,
+    # slow enough under load for the streams to end before the kill (CI, once).
+    [victim] = replica_processes(app, "draft-same")
+    old_pid = victim.pid
     before = stats(app)
     threads, results = start_streams(app, PROMPTS[:4], LONG)  # drafts flowing
-    kill_replica(app, "draft-same")
+    kill_replica(app, "draft-same", victim)
     assert any(t.is_alive() for t in threads), "every stream ended before the kill"
     for t in threads:
         t.join(180)
@@ -285,8 +288,9 @@ def test_target_replica_killed_mid_stream(app, expected):
     plain, plain_results = in_threads(
         lambda j: post(f"{app.url}/v1/completions", body(PROMPTS[j], LONG, stream=False),
                        timeout=300), [(j,) for j in range(2)])
+    [victim] = replica_processes(app, "target")  # before the streams, as above
     streams, stream_results = start_streams(app, PROMPTS[:3], LONG, 300)
-    kill_replica(app, "target")
+    kill_replica(app, "target", victim)
     killed_at = time.monotonic()
     # The router stays up and answers at once; its health says no target
     # replica can serve (until Serve has restarted it).
