@@ -31,7 +31,7 @@ class DraftServer:
         self.config = DraftConfig.model_validate(draft)
         logs.to_stderr("draft")
         os.environ.update(self.config.resources.env)
-        _, draft_cpus = cpu_binding(target_tp, model_draft=self.config.kind == "model")
+        _, draft_cpus = cpu_binding(target_tp, model_draft=self.config.has_model)
         spec = SpeculationConfig.model_validate(speculation or {})
         # Pre-drafted outcomes: top-F alternatives from the engine's logprobs,
         # continued as batched engine requests (cheap on an accelerator).

@@ -98,7 +98,7 @@ class TargetServer:
         os.environ.update(t.resources.env)
         # A model draft needs cores of its own; suffix pools run no engine.
         target_cpus, _ = cpu_binding(t.tensor_parallel_size,
-                                     model_draft=any(d.kind == "model" for d in self.config.drafts))
+                                     model_draft=any(d.has_model for d in self.config.drafts))
         # On GPUs the replica actor holds no GPU: vLLM's Ray executor puts the
         # TP workers on the bundles of this replica (specserve.placement).
         executor = target_placement(t).executor

@@ -52,6 +52,12 @@ def test_draft_with_another_vocabulary_is_refused(tiny_models, other_vocab):
     proc = run_cli("generate", "--target", str(tiny_models["target"]), "--draft",
                    str(other_vocab), "--prompt", "x")
     one_line_error(proc, "384", "320")
+    # A hybrid draft's model too; and a hybrid spec names its model.
+    proc = run_cli("generate", "--target", str(tiny_models["target"]), "--draft",
+                   f"hybrid:{other_vocab}", "--prompt", "x")
+    one_line_error(proc, "384", "320")
+    one_line_error(run_cli("generate", "--target", str(tiny_models["target"]), "--draft",
+                           "hybrid:", "--prompt", "x"), "hybrid:FOLDER")
 
 
 def test_lookahead_must_exceed_k_and_prompt_must_fit(tiny_models):
@@ -133,6 +139,8 @@ def test_serve_refuses_pools_a_local_cluster_cannot_hold(tiny_models, tmp_path):
 def test_serve_draft_takes_model_folders_only(tmp_path):
     one_line_error(run_cli("serve", "--draft", "suffix"), "--draft takes draft model folders",
                    "kind: suffix")
+    one_line_error(run_cli("serve", "--draft", "hybrid:default"),
+                   "--draft takes draft model folders", "kind: hybrid")
     one_line_error(run_cli("serve", "--draft", str(tmp_path / "nope")),
                    "draft model folder", "does not exist")
 

@@ -80,3 +80,25 @@ def test_suffix_draft(tiny_models, reference):
     s = result["stats"]
     check_stats_shape(s)
     assert 0 < s["accepted_tokens"] <= s["draft_tokens"], s
+
+
+def test_hybrid_draft(tiny_models, reference):
+    """A draft model consulting a suffix memory (`--draft hybrid:FOLDER`), with
+    the unrelated model (alone, it is almost never accepted): the memory's
+    drafts of the tiny model's looping output are sent where they score above
+    the model, and accepted; output stays the target's."""
+    result = run_generate(tiny_models["target"], f"hybrid:{tiny_models['unrelated']}",
+                          env=SLOW_TARGET)
+    check_outputs(result, reference)
+    s = result["stats"]
+    check_stats_shape(s)
+    assert 0 < s["accepted_tokens"] <= s["draft_tokens"], s
+    # Both sources drafted (the draft worker's figures at shutdown), and the
+    # memory's acceptance, measured from the target's tokens, beats the model's.
+    found = re.search(r"sources=\{'memory_drafted': (\d+), 'memory_alpha': ([\d.]+), "
+                      r"'model_drafted': (\d+), 'model_alpha': ([\d.]+)\}", result["_stderr"])
+    assert found, result["_stderr"][-3000:]
+    memory_drafted, memory_alpha, model_drafted, model_alpha = (
+        int(found[1]), float(found[2]), int(found[3]), float(found[4]))
+    assert memory_drafted > 0 and model_drafted > 0, found[0]
+    assert memory_alpha > model_alpha, found[0]

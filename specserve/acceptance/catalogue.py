@@ -42,7 +42,7 @@ TARGET_POOL, NO_DRAFT = "target", "none"
 
 
 def kind_of(pool: str, kinds: dict[str, str]) -> str:
-    """The `kind` label of a pool: "model" or "suffix" for a draft pool in
+    """The `kind` label of a pool: "model", "suffix" or "hybrid" for a draft pool in
     `kinds` (AppConfig.draft_kinds()), "target", "none" (no draft), else
     "unknown" (a name the config does not hold, e.g. a pool since removed)."""
     if pool in kinds:

@@ -20,21 +20,28 @@ def check_generate(args) -> tuple[str, str | None, int]:
 
     target = (model_dir(args.target, "target") if args.target
               else str(ensure_default_model()))
-    from specserve.draft import suffix, synthetic
+    from specserve.draft import hybrid, suffix, synthetic
 
+    model_folder = None  # the draft model's folder, where there is one
     if suffix.is_suffix(args.draft):
         draft = suffix.NAME
+    elif hybrid.is_hybrid(args.draft):
+        try:
+            model_folder = draft_dir(hybrid.model_of(args.draft))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        draft = hybrid.PREFIX + model_folder
     elif synthetic.is_synthetic(args.draft):
         try:
             draft = str(synthetic.parse(args.draft))
         except ValueError as e:
             raise UsageError(str(e)) from None
     else:
-        draft = None if args.draft.lower() == "none" else draft_dir(args.draft)
+        draft = model_folder = None if args.draft.lower() == "none" else draft_dir(args.draft)
     k = args.num_speculative_tokens
     lookahead = lookahead_tokens(k, args.lookahead)
-    if draft is not None and not synthetic.is_synthetic(draft) and not suffix.is_suffix(draft):
-        problem = tokenizers_compatible(target, draft)
+    if model_folder is not None:
+        problem = tokenizers_compatible(target, model_folder)
         if problem:
             raise UsageError(problem)
     problem = lookahead_problem(k, args.lookahead, "--num-speculative-tokens", "--lookahead")

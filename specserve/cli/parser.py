@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default="none",
                    help="draft model folder, 'default' for the shipped draft of the default "
                    "model, 'none' for target-only (default: none), 'suffix' for a draft "
-                   "with no model (a suffix memory of the prompts and outputs), or "
+                   "with no model (a suffix memory of the prompts and outputs), "
+                   "hybrid:FOLDER for the draft model FOLDER consulting such a memory "
+                   "(hybrid:default: the shipped draft), or "
                    "synthetic:A[@Dms]: the target's own greedy output with each token "
                    "corrupted with probability 1-A (and D ms per drafted token)")
     g.add_argument("--prompt", action="append", required=True,

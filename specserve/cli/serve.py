@@ -49,6 +49,9 @@ def serve_config(args):
         if "suffix" in (drafts or []):
             raise UsageError("--draft takes draft model folders; a suffix draft pool is a "
                              "config's `kind: suffix` pool (the embedded default has one)")
+        if any(d.lower().startswith("hybrid:") for d in drafts or []):
+            raise UsageError("--draft takes draft model folders; a hybrid draft pool is a "
+                             "config's `kind: hybrid` pool (with its model folder)")
         # With no config, draft models start from the default's model-draft pair.
         cfg = (AppConfig.from_yaml(args.config) if args.config
                else AppConfig.embedded_default(model_draft=bool(drafts)))
@@ -95,7 +98,7 @@ def serve_config(args):
         finally:
             vllm_log.setLevel(level)
     for d in cfg.drafts:
-        if d.kind == "model":  # a suffix pool has no model folder
+        if d.has_model:  # a suffix pool has no model folder
             draft_dir(d.model)
     return cfg, tokenizers_compatible
 
@@ -126,7 +129,7 @@ def check_contexts(cfg, target_dir: str) -> None:
 
     engines = [("target", cfg.target.engine.max_model_len, target_dir)]
     engines += [(f"drafts[{i}] ({d.name})", d.engine.max_model_len, draft_dir(d.model))
-                for i, d in enumerate(cfg.drafts) if d.kind == "model"]
+                for i, d in enumerate(cfg.drafts) if d.has_model]
     for where, max_len, folder in engines:
         problem = context_problem(where, max_len, folder, context_length(folder))
         if problem:
@@ -188,7 +191,7 @@ def checked_config(args):
     cfg, tokenizers_compatible = serve_config(args)
     target_dir = cfg.target.model or str(ensure_default_model())
     for d in cfg.drafts:
-        if d.kind != "model":
+        if not d.has_model:
             continue
         problem = tokenizers_compatible(target_dir, draft_dir(d.model))
         if problem:

@@ -35,7 +35,8 @@ def run_bench(args) -> int:
         draft = None
     else:
         draft = default_draft()
-    needs_draft = {"vllm_draft_model", "specserve", "specserve_http"} & set(args.systems)
+    needs_draft = {"vllm_draft_model", "specserve", "specserve_hybrid",
+                   "specserve_http"} & set(args.systems)
     if draft is None and needs_draft:
         raise UsageError(f"systems {sorted(needs_draft)} need --draft PATH (a draft model "
                          "with the target's tokenizer); or choose --systems target_only "

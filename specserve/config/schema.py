@@ -237,24 +237,29 @@ class TargetConfig(_Strict):
 
 class DraftConfig(_Strict):
     """One draft pool: replicas that stream drafts to targets, each running a small
-    model (kind model) or a suffix memory and no model (kind suffix)."""
+    model (kind model), a suffix memory and no model (kind suffix), or both (kind
+    hybrid)."""
 
     name: str = Field(
         ...,
         description="Unique name of the pool: lowercase letters, digits and '-', at most "
                     f"{DRAFT_NAME_MAX_LEN} characters; suffix of its Serve deployment name.")
-    kind: Literal["model", "suffix"] = Field(
+    kind: Literal["model", "suffix", "hybrid"] = Field(
         "model", description="model: replicas run a draft model (vLLM). suffix: replicas run "
                              "no model and draft from the tokens earlier requests and this "
-                             "one continued with (SuffixDecoding; settings in suffix).")
+                             "one continued with (SuffixDecoding; settings in suffix). "
+                             "hybrid: replicas run the draft model and keep a suffix memory "
+                             "beside it; at each position the memory's draft is sent where "
+                             "it scores above the model's measured acceptance.")
     model: str | None = Field(
-        None, description="Hugging Face model folder of the draft (kind model, required "
-                          "there); it must use the target's tokenizer (checked where the "
+        None, description="Hugging Face model folder of the draft (kinds model and hybrid, "
+                          "required there); it must use the target's tokenizer (checked where the "
                           "models are). 'default': the draft distilled from the default "
                           "model that ships with specserve, assembled into the local cache on "
                           "first use. Null with kind suffix.")
     suffix: SuffixConfig = Field(
-        default_factory=SuffixConfig, description="The suffix memory (kind suffix only).")
+        default_factory=SuffixConfig, description="The suffix memory (kinds suffix and "
+                                                  "hybrid).")
     replicas: Autoscaling = Field(
         default_factory=Autoscaling, description="Replica count bounds of this draft pool.")
     resources: Resources = Field(
@@ -282,9 +287,9 @@ class DraftConfig(_Strict):
 
     @model_validator(mode="after")
     def _kind_fits(self):
-        if self.kind == "model" and self.model is None:
-            raise ValueError("model: a draft pool of kind model needs a model folder (or "
-                             "'default'); set kind: suffix for a pool without a model")
+        if self.kind != "suffix" and self.model is None:
+            raise ValueError(f"model: a draft pool of kind {self.kind} needs a model folder "
+                             "(or 'default'); set kind: suffix for a pool without a model")
         if self.kind == "suffix" and self.model is not None:
             raise ValueError(f"model: a suffix pool runs no model, got {self.model!r}; "
                              "remove model or set kind: model")
@@ -292,8 +297,15 @@ class DraftConfig(_Strict):
 
     @property
     def draft_spec(self) -> str:
-        """What DraftWorker.start takes: the model folder, or 'suffix'."""
-        return "suffix" if self.kind == "suffix" else self.model
+        """What DraftWorker.start takes: the model folder, 'suffix', or hybrid:FOLDER."""
+        if self.kind == "suffix":
+            return "suffix"
+        return f"hybrid:{self.model}" if self.kind == "hybrid" else self.model
+
+    @property
+    def has_model(self) -> bool:
+        """Its replicas run a draft model (kinds model and hybrid)."""
+        return self.kind != "suffix"
 
 
 class RayConfig(_Strict):
@@ -463,7 +475,7 @@ class AppConfig(_Strict):
         return AppConfig.from_dict(data, source="command line")
 
     def draft_kinds(self) -> dict[str, str]:
-        """Each draft pool's kind ("model" or "suffix") by pool name: the one map
+        """Each draft pool's kind ("model", "suffix" or "hybrid") by pool name: the one map
         the router, its views and the K choice read a pool's kind from."""
         return {d.name: d.kind for d in self.drafts}
 

@@ -86,17 +86,26 @@ class SuffixDraftModel:
             self.hits += 1
         return d
 
-    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+    def start(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Learn a request's prompt before its first draft (a first segment
+        starts from the prompt: the request's first history)."""
         if request_id not in self._own:
-            # The first segment starts from the prompt: the request's first history.
             self.observe(request_id, tokens)
-        d = self.draft(request_id, tokens, max_tokens)
-        if not d.tokens:
-            return
+
+    def keep_alternatives(self, request_id: str, at: int, d) -> None:
+        """Remember the alternatives of draft `d` (drafted from position `at`),
+        for branches()."""
         alts = self._alts.setdefault(request_id, {})
         for i, a in enumerate(d.alternatives):
             if a:
-                alts[len(tokens) + i] = a
+                alts[at + i] = a
+
+    async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+        self.start(request_id, tokens)
+        d = self.draft(request_id, tokens, max_tokens)
+        if not d.tokens:
+            return
+        self.keep_alternatives(request_id, len(tokens), d)
         await asyncio.sleep(0)  # the event loop's (gRPC's) turn
         yield list(d.tokens)
 

@@ -44,11 +44,13 @@ class DraftWorker:
               suffix=None) -> "DraftWorker":
         """model: a draft model folder, 'default' (the shipped distilled draft),
         synthetic:A[@Dms][,hH] (needs replay_path and vocab_size: the target's greedy
-        outputs and vocabulary), or 'suffix' (no model: a suffix memory set by
-        `suffix`, a SuffixConfig; None: its defaults). tls: mutual TLS to the
+        outputs and vocabulary), 'suffix' (no model: a suffix memory set by
+        `suffix`, a SuffixConfig; None: its defaults), or hybrid:FOLDER (the
+        model FOLDER consulting a suffix memory set by `suffix`). tls: mutual TLS to the
         sinks (TlsFiles). cpus: OpenMP core list of a CPU engine (unless the environment sets one).
         branches: pre-draft alternatives (BranchPlan; None: none). name:
         "model/replica", how the target sinks' figures name this draft."""
+        from specserve.draft import hybrid as hybrid_draft
         from specserve.draft import suffix as suffix_draft
         from specserve.draft import synthetic
 
@@ -72,8 +74,40 @@ class DraftWorker:
                 max_model_len=settings.max_model_len or (1 << 30),
                 fan_out=max(branches.fan_out, 1) if branches is not None else synthetic.FAN_OUT)
             return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
-        from specserve.models import resolve_draft
+        hybrid = hybrid_draft.is_hybrid(model)
+        folder = hybrid_draft.model_of(model) if hybrid else model
+        engine, procs = cls._start_engine(folder, settings, cpus)
+        # Branches from the engine's own logprobs, continued as batched requests:
+        # one batched step on an accelerator, but a whole draft step per branch
+        # on a CPU core, where pre-drafting starves the main line (measured:
+        # the draft never got ahead of the target, tests/target/test_faults.py).
+        # So a vLLM draft on CPU does not pre-draft from its model; the
+        # synthetic draft models the accelerator case. (A hybrid draft's memory
+        # branches cost no model step: they stay.)
+        from vllm.platforms import current_platform
+
+        model_fan = branches.fan_out if branches is not None and branches.active else 0
+        if model_fan and current_platform.is_cpu():
+            log.info("draft on CPU: pre-drafting branches from the model is off "
+                     "(each branch costs a draft step)")
+            model_fan = 0
+            branches = branches if hybrid else None
+        draft_model = VllmDraftModel(engine, engine.model_config.max_model_len, fan_out=model_fan)
+        if hybrid:
+            memory = suffix_draft.SuffixDraftModel(
+                suffix, max_model_len=engine.model_config.max_model_len,
+                vocab_size=engine.model_config.get_vocab_size(),
+                fan_out=branches.fan_out if branches is not None and branches.active else 0)
+            log.info("hybrid draft: %s with a suffix memory %s", folder, memory.config)
+            draft_model = hybrid_draft.HybridDraftModel(draft_model, memory)
+        runner = DraftRunner(draft_model, tls=tls, branches=branches, name=name)
+        return cls(runner, engine, procs)
+
+    @staticmethod
+    def _start_engine(folder: str, settings: EngineSettings, cpus: str | None):
+        """A vLLM engine for a draft model folder ('default': the shipped draft)."""
         from specserve.engine import start_engine
+        from specserve.models import resolve_draft
 
         apply_cpu_env(settings)
         # The engine's processes read the core list at spawn (ignored on GPUs);
@@ -81,22 +115,7 @@ class DraftWorker:
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus and \
             "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else {}
         with scoped_env(env):
-            engine, procs = start_engine(engine_args(resolve_draft(model), settings))
-        # Branches from the engine's own logprobs, continued as batched requests:
-        # one batched step on an accelerator, but a whole draft step per branch
-        # on a CPU core, where pre-drafting starves the main line (measured:
-        # the draft never got ahead of the target, tests/target/test_faults.py).
-        # So a vLLM draft on CPU does not pre-draft; the synthetic draft models
-        # the accelerator case.
-        from vllm.platforms import current_platform
-
-        if branches is not None and branches.active and current_platform.is_cpu():
-            log.info("draft on CPU: pre-drafting branches is off (each branch costs a draft step)")
-            branches = None
-        fan = branches.fan_out if branches is not None and branches.active else 0
-        runner = DraftRunner(VllmDraftModel(engine, engine.model_config.max_model_len, fan_out=fan),
-                             tls=tls, branches=branches, name=name)
-        return cls(runner, engine, procs)
+            return start_engine(engine_args(resolve_draft(folder), settings))
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0,
@@ -126,7 +145,9 @@ class DraftWorker:
             await self.engine.check_health()
 
     async def close(self) -> None:
-        log.info("draft shutting down: %s", self.runner.stats)
+        figures = getattr(self.runner.model, "figures", None)  # a hybrid draft's sources
+        log.info("draft shutting down: %s%s", self.runner.stats,
+                 f" sources={figures()}" if figures is not None else "")
         await self.runner.close()
         if self.engine is not None:
             shutdown_engine(self.engine, self.procs)

@@ -7,7 +7,8 @@ that system has). Owns starting and stopping each system and timing one
 request; never aggregates (that is `report`) or schedules (that is `run`).
 
 - LocalBackend           target_only, specserve_k0, specserve, specserve_synthetic,
-                         specserve_suffix (the suffix draft, no model)
+                         specserve_suffix (the suffix draft, no model),
+                         specserve_hybrid (the draft model with a suffix memory)
                          (a LocalSpec);
 - VllmDraftModelBackend  vLLM's co-located speculative_config "draft_model";
 - HttpBackend            the whole Ray Serve app (`specserve serve`) over HTTP.
@@ -296,6 +297,11 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
             # K controller's figures are a model draft's (issue 26 item 4).
             out.append((system, None, lambda: LocalBackend("specserve_suffix", LocalSpec(
                 a.target, "suffix", k=a.k, settings=s, speculation=a.speculation()))))
+        elif system == "specserve_hybrid":
+            # Fixed K too: the K controller's figures are the model's alone.
+            out.append((system, None, lambda: LocalBackend("specserve_hybrid", LocalSpec(
+                a.target, f"hybrid:{a.draft}", k=a.k, settings=s,
+                speculation=a.speculation()))))
         elif system == "specserve_synthetic":
             for alpha in a.alphas:
                 spec = (f"synthetic:{alpha:g}"

@@ -18,6 +18,8 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
                       (LocalSpec), with adaptive K (specserve/control/controller.py);
 - specserve_suffix    the suffix draft (no model: specserve/draft/suffix.py) over the
                       same path, fixed K;
+- specserve_hybrid    the draft model consulting a suffix memory position by position
+                      (specserve/draft/hybrid.py) over the same path, fixed K;
 - specserve_synthetic the synthetic draft synthetic:A over the same path, one
                       row per A, fixed K (specserve/draft/synthetic.py);
 - vllm_serve          vLLM's own OpenAI server on the target alone, same
@@ -279,8 +281,9 @@ def add_arguments(p, positive_int, temperature) -> None:
                    help="F (speculation.branch_fan_out) for every speculative system "
                         "(default: the config's, 3; 0: no branches)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
-                   help="systems to run (default: all but vllm_ngram and specserve_suffix, "
-                        "which run when named, e.g. on the edit workload)")
+                   help="systems to run (default: all but vllm_ngram, specserve_suffix "
+                        "and specserve_hybrid, which run when named, e.g. on the edit "
+                        "workload)")
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
     p.add_argument("--rounds", type=positive_int("rounds"),
