@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.tools.bench.fleet import add_arguments as add_fleet
 
     add_fleet(fl, positive_int)
+    ds = bsub.add_parser("draftside", help="one draft engine serving many concurrent requests "
+                         "(default 256): its token rate alone and through the draft runner "
+                         "and link, the runner's CPU per token, messages per second")
+    from specserve.tools.bench.draftside import add_arguments as add_draftside
+
+    add_draftside(ds, positive_int)
 
     m = sub.add_parser("models", help="manage models")
     msub = m.add_subparsers(dest="models_command", required=True, parser_class=_Parser)

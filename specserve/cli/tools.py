@@ -1,4 +1,4 @@
-"""The edges of the tool commands: `specserve bench` (`bench dataplane`, `bench routing`, `bench fleet`) and `specserve distill`.
+"""The edges of the tool commands: `specserve bench` (`bench dataplane`, `bench routing`, `bench fleet`, `bench draftside`) and `specserve distill`.
 
 Owns checking their models and flags (one line, exit 2) and printing what
 they return; the bodies are `specserve.tools.bench` and
@@ -22,6 +22,8 @@ def run_bench(args) -> int:
         return run_dataplane(args)
     if getattr(args, "bench_command", None) == "routing":
         return run_routing(args)
+    if getattr(args, "bench_command", None) == "draftside":
+        return run_draftside(args)
     if getattr(args, "bench_command", None) == "fleet":
         return run_fleet(args)
     from specserve.tools.bench import report as bench_report
@@ -115,6 +117,14 @@ def run_fleet(args) -> int:
         report = fleet.run(args, Path(work))
     print(fleet.markdown(report))
     return 0
+
+
+def run_draftside(args) -> int:
+    """`specserve bench draftside`: the body is specserve/tools/bench/draftside.py."""
+    from specserve.tools.bench import draftside
+
+    draft = draft_dir(args.draft) if args.draft else default_draft()
+    return draftside.main(args, draft)
 
 
 def run_distill(args) -> int:
