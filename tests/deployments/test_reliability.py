@@ -1,6 +1,7 @@
 """Faults, hostile HTTP input and load against one Serve app (`specserve serve`
-in a subprocess: a target, one draft pool of draft = target, and mutual TLS on
-the draft -> target gRPC stream). The tests run in file order on that app:
+in a subprocess: a target, one hybrid draft pool (the draft model = target,
+with a suffix memory beside it: `kind: hybrid`), and mutual TLS on the draft ->
+target gRPC stream). The tests run in file order on that app:
 
 - soak: concurrent streaming clients for SPECSERVE_SOAK_SECONDS (default 20)
   with SPECSERVE_SOAK_CLIENTS (default 8): zero errors, every greedy output
@@ -61,7 +62,10 @@ def app(tiny_models, tmp_path_factory):
     config = {
         "target": {"model": str(tiny_models["target"]), "name": "tiny",
                    "resources": {"cpus_per_worker": 1}, "engine": engine},
-        "drafts": [{"name": "same", "model": str(tiny_models["target"]),
+        # A hybrid pool: the draft model (= target) consulting a suffix memory,
+        # so both sources (and the switches between them) go through every
+        # fault below; the tiny model's looping output gives the memory hits.
+        "drafts": [{"name": "same", "kind": "hybrid", "model": str(tiny_models["target"]),
                     "resources": {"cpus_per_worker": 0.25}, "engine": engine}],
         "speculation": {"num_speculative_tokens": 4},
         "grpc_tls": {"ca_file": pki["ca"], "cert_file": pki["server_cert"],
