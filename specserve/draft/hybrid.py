@@ -8,7 +8,7 @@ position it looks the context up in the memory; where the memory's draft scores
 at least what the model is expected to have accepted over as many tokens, the
 memory's tokens are sent (no model step spent), else the model drafts on, and
 the memory is asked again after each of the model's tokens (SuffixDecoding's
-combination with a model speculator, Oliaro et al. 2025, section 4.3). Where the
+combination with a model speculator, Oliaro et al. 2025). Where the
 model's token won and the memory had another, the memory's continuation is a
 branch at that position, beside the memory's own alternatives.
 

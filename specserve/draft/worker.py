@@ -76,7 +76,7 @@ class DraftWorker:
             return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
         hybrid = hybrid_draft.is_hybrid(model)
         folder = hybrid_draft.model_of(model) if hybrid else model
-        engine, procs = cls._start_engine(folder, settings, cpus)
+        engine, procs = cls.start_model_engine(folder, settings, cpus)
         # Branches from the engine's own logprobs, continued as batched requests:
         # one batched step on an accelerator, but a whole draft step per branch
         # on a CPU core, where pre-drafting starves the main line (measured:
@@ -104,7 +104,7 @@ class DraftWorker:
         return cls(runner, engine, procs)
 
     @staticmethod
-    def _start_engine(folder: str, settings: EngineSettings, cpus: str | None):
+    def start_model_engine(folder: str, settings: EngineSettings, cpus: str | None):
         """A vLLM engine for a draft model folder ('default': the shipped draft)."""
         from specserve.engine import start_engine
         from specserve.models import resolve_draft

@@ -186,7 +186,7 @@ async def run(a: DraftSideArgs, progress=lambda m: None) -> dict:
                               max_num_seqs=a.requests, seed=a.seed, dtype=a.dtype,
                               kv_cache_gib=a.kv_cache_gib, enable_prefix_caching=False)
     progress(f"starting the draft engine ({a.draft}), max_num_seqs {a.requests}")
-    engine, procs = DraftWorker._start_engine(a.draft, settings, None)
+    engine, procs = DraftWorker.start_model_engine(a.draft, settings, None)
     try:
         vocab = engine.model_config.get_vocab_size()
         await _engine_phase(engine, prompts(4, 16, vocab, a.seed + 99), 8)  # warm-up
