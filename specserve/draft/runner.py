@@ -338,6 +338,10 @@ class DraftRunner:
         """Requests the sink gave up and the caller has not cancelled yet."""
         return len(self._released)
 
+    def links(self) -> list[SinkLink]:
+        """This runner's streams, one per sink."""
+        return list(self._links.values())
+
     def sink_down_for(self, sink_address: str) -> float:
         """Seconds the stream to this sink has been broken (0 while it works)."""
         link = self._links.get(sink_address)

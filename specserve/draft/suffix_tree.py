@@ -29,6 +29,12 @@ its counts are taken back out of the trie, emptied nodes deleted), and tokens
 per sequence (a longer sequence is indexed up to the cap, the rest ignored).
 Ids outside [0, vocab_size) are never stored: they break the sequence there
 (as a separator would), so junk ids cannot be drafted back.
+
+Why our own and not Arctic Inference's (which vLLM's `suffix` method imports):
+`arctic-inference` comes from PyPI here only as a source package (a C++ /
+nanobind build, and a vLLM plugin that patches vLLM where its version matches),
+which `make install` would have to build on every machine; this one is plain
+Python, bounded by the config, and tested alone.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ async def runner_phase(model, ids: list[list[int]], a: DraftSideArgs, address: s
     while runner.stats.verified_tokens < want:
         await asyncio.sleep(0.01)
     wall, cpu_s = time.monotonic() - start, time.process_time() - cpu
-    [link] = runner._links.values()
+    [link] = runner.links()
     batches, wire_tokens = link.batches, link.tokens_sent
     await runner.close()
     return phase_figures(runner.stats.verified_tokens, wall, cpu_s), batches, wire_tokens
