@@ -86,8 +86,10 @@ class SpeculationConfig(_Strict):
         description="The most messages one draft stream may send a target's sink per second "
                     "(a burst of one second's worth allowed); a stream past it is cut off "
                     "(RESOURCE_EXHAUSTED) so that it cannot starve the others. A draft "
-                    "replica sends one batch per draft step (about 250 a second), plus opens "
-                    "and closes.")
+                    "replica sends one batch per draft step (about 250 a second); opens and "
+                    "closes the sink takes are not counted (each request opens and closes "
+                    "once, so a burst of arriving requests never cuts a draft off), refused "
+                    "ones are.")
     k_control: KControlConfig = Field(
         default_factory=KControlConfig,
         description="The K controller's thresholds: when figures are trusted, probing, margin.")

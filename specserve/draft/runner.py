@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -447,22 +448,26 @@ class DraftRunner:
         segment_id = f"{req.id}#{req.segments}"
         want = req.limit - len(req.tokens)
         produced = False
-        async for new in self.model.continue_tokens(segment_id, req.id, list(req.tokens), want):
-            produced = True
-            if req.cancelled or req.epoch != epoch:
-                return True  # rolled back: this segment drafts a history the target left
-            start = len(req.tokens)
-            req.tokens.extend(new)
-            self.stats.drafted_tokens += len(new)
-            if not req.agrees(start):
-                req.roll_back(since=start)  # we guessed a token the target decided otherwise
-                self.stats.rollbacks += 1
-                return True
-            v = len(req.verified)
-            if len(req.tokens) > v:
-                req.link.send_draft(req.id, v, req.tokens[v:], self._branches(req, v))
-            if self._ahead(req):
-                return True
+        # closed on every return (the model's request stops now, not when
+        # asyncio's finalizer gets to the generator)
+        async with contextlib.aclosing(self.model.continue_tokens(
+                segment_id, req.id, list(req.tokens), want)) as segment:
+            async for new in segment:
+                produced = True
+                if req.cancelled or req.epoch != epoch:
+                    return True  # rolled back: this segment drafts a history the target left
+                start = len(req.tokens)
+                req.tokens.extend(new)
+                self.stats.drafted_tokens += len(new)
+                if not req.agrees(start):
+                    req.roll_back(since=start)  # we guessed a token the target decided otherwise
+                    self.stats.rollbacks += 1
+                    return True
+                v = len(req.verified)
+                if len(req.tokens) > v:
+                    req.link.send_draft(req.id, v, req.tokens[v:], self._branches(req, v))
+                if self._ahead(req):
+                    return True
         return produced
 
     def _branches(self, req: _Request, v: int) -> list[tuple[int, list[int]]]:

@@ -382,12 +382,17 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             for msg in request_iterator:
                 if stream.done.is_set():
                     return
-                if not stream.within_rate():
-                    stream.cut(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"draft stream sent more than {stream.rate:.0f} messages a second "
-                               "(speculation.max_stream_messages_per_s); drafts batch their windows")
+                # An open or close the book takes costs nothing of the rate: each
+                # registered id is opened and closed once, so a burst of requests
+                # (thousands arriving together) does not cut its draft off. Drafts,
+                # batches and refused opens and closes are counted.
+                free = msg.WhichOneof("kind") in ("open", "close")
+                if not free and not stream.within_rate():
+                    stream.cut(grpc.StatusCode.RESOURCE_EXHAUSTED, self._rate_message(stream))
                     return
-                self._apply(stream, msg)
+                if not self._apply(stream, msg) and free and not stream.within_rate():
+                    stream.cut(grpc.StatusCode.RESOURCE_EXHAUSTED, self._rate_message(stream))
+                    return
         except grpc.RpcError:
             pass  # the client went away; Connect's loop notices
         except Exception as e:  # never let a reader thread die silently
@@ -396,12 +401,18 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             return
         stream.done.set()
 
-    def _apply(self, stream: _Stream, msg: spec_pb2.DraftMessage) -> None:
+    @staticmethod
+    def _rate_message(stream: _Stream) -> str:
+        return (f"draft stream sent more than {stream.rate:.0f} messages a second "
+                "(speculation.max_stream_messages_per_s); drafts batch their windows")
+
+    def _apply(self, stream: _Stream, msg: spec_pb2.DraftMessage) -> bool:
+        """True if the book took the message whole."""
         kind = msg.WhichOneof("kind")
         if kind == "batch":
             self._apply_batch(stream, msg.batch)
-        else:
-            self._apply_one(stream, kind, getattr(msg, kind) if kind else None)
+            return True
+        return self._apply_one(stream, kind, getattr(msg, kind) if kind else None)
 
     def _apply_batch(self, stream: _Stream, batch: spec_pb2.DraftBatch) -> None:
         """Every window of a DraftBatch into the book at once; a refused entry
@@ -428,7 +439,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     request_id=rid, code=e.code, message=e.message)))
 
     def _apply_one(self, stream: _Stream, kind: str | None, part) -> bool:
-        """One open, draft or close; False once the stream is cut off."""
+        """One open, draft or close; False if refused (its error sent, or the
+        stream cut off)."""
         rid = ""
         try:
             with self._lock:
@@ -466,6 +478,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     error=spec_pb2.RequestError(request_id=rid, code=e.code, message=e.message)
                 )
             )
+            return False
         return True
 
     # ---- lifecycle --------------------------------------------------------------

@@ -608,3 +608,32 @@ def test_a_stream_over_its_message_rate_is_cut_off_and_others_go_on():
         good.close()
     finally:
         sink.stop()
+
+
+def test_a_burst_of_opens_and_closes_is_not_cut_but_refused_ones_count():
+    """Thousands of requests arriving at once: their draft opens and closes
+    each one (the book takes them), far past the message rate, and goes on;
+    opens the book refuses (ids it was not given) count against the rate."""
+    sink = DraftSink(vocab_size=100, max_requests=512, max_pending=16,
+                     max_stream_messages_per_s=50)
+    sink.start("127.0.0.1:0")
+    try:
+        burst = Client(sink, name="burst/0")
+        for i in range(400):  # 8x the rate's one-second burst
+            burst.open(f"r{i}", [1, 2])
+        burst.draft("r399", 2, [3, 4])
+        assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 2)
+        for i in range(400):
+            burst.out.put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id=f"r{i}")))
+        burst.draft("r0", 2, [3])  # closed: refused per request, the stream stays
+        assert isinstance(burst.reply(), spec_pb2.SinkMessage)
+        assert burst.status is None
+        burst.close()
+
+        thief = Client(sink, name="thief/0")
+        for i in range(200):  # guessed ids: every one refused, each counted
+            thief.attach(f"r{i}", "guess")
+        assert wait_for(lambda: thief.status is not None)
+        assert thief.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        sink.stop()
