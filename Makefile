@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: image-cpu image-gpu prometheus install test test-cluster test-fast soak test-suffix-serve serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
+.PHONY: arctic image-cpu image-gpu prometheus install test test-cluster test-fast soak test-suffix-serve serve bench bench-quick proto clean browser helm-schema gpu-check gpu-check-tiny gpu-wheels
 
 install: $(STAMP)
 
@@ -87,6 +87,12 @@ bench: install
 bench-quick: install
 	mkdir -p bench
 	$(VENV)/bin/specserve bench --quick --json bench/bench-quick.json
+
+# Arctic Inference's suffix trees, which vLLM's speculative method "suffix" imports:
+# built from source for this CPU (about 20 s; cmake and a C++ compiler). Only the
+# bench's vllm_suffix system needs them (docs/benchmarks.md).
+arctic: install
+	scripts/install_arctic.sh $(PY)
 
 # Regenerate the checked-in protobuf code (tests check it matches proto/).
 proto: install

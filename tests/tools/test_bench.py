@@ -310,3 +310,31 @@ def test_vllm_serve_runs_vllms_server_with_the_targets_engine_settings(tmp_path)
         assert part in flags, (part, flags)
     assert b.env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert b.counters().draft_tokens == 0
+
+
+def test_vllms_drafts_with_no_model_run_its_own_speculative_configs(tmp_path, monkeypatch):
+    """vllm_ngram and vllm_suffix are vLLM's methods at the bench's K; vllm_suffix
+    is refused at the edge, before any engine, where Arctic Inference is missing."""
+    import importlib.util
+
+    from specserve.cli.parser import build_parser
+    from specserve.tools.bench.backends import build_backends
+
+    args = build_parser().parse_args(
+        ["bench", "--systems", "vllm_ngram", "vllm_suffix", "--num-speculative-tokens", "3"])
+    a = run.bench_args(args, "/models/t", None)
+    backends = {system: make() for system, _, make in build_backends(a, None, tmp_path)}
+    assert backends["vllm_ngram"].system == "vllm_ngram"
+    assert backends["vllm_ngram"].speculative_config() == {
+        "method": "ngram", "num_speculative_tokens": 3,
+        "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    assert backends["vllm_suffix"].system == "vllm_suffix"
+    assert backends["vllm_suffix"].speculative_config() == {
+        "method": "suffix", "num_speculative_tokens": 3}
+    assert "vllm_suffix" not in workload.DEFAULT_SYSTEMS  # runs when named
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    with pytest.raises(ValueError, match="make arctic"):
+        run.bench_args(args, "/models/t", None)

@@ -138,8 +138,10 @@ class LocalBackend:
 
 class VllmDraftModelBackend:
     """vLLM's co-located speculative decoding: draft_model (the draft runs in the
-    target's workers, on the target's cores), or with method "ngram" vLLM's
-    prompt lookup inside the engine (system vllm_ngram)."""
+    target's workers, on the target's cores), or a draft with no model inside the
+    engine: method "ngram", vLLM's prompt lookup (system vllm_ngram), or method
+    "suffix", SuffixDecoding on Arctic Inference's suffix trees (system
+    vllm_suffix; `make arctic` installs them)."""
 
     system = "vllm_draft_model"
     alpha = None
@@ -148,16 +150,21 @@ class VllmDraftModelBackend:
                  method: str = "draft_model"):
         self.target, self.draft, self.k, self.settings = target, draft, k, settings
         self.method = method
-        if method == "ngram":
-            self.system = "vllm_ngram"
+        if method in ("ngram", "suffix"):
+            self.system = f"vllm_{method}"
         self.started = None
 
     def speculative_config(self) -> dict:
+        # vLLM's own defaults for each method at K drafted tokens a step, as
+        # `vllm serve --speculative-config '{"method": M, "num_speculative_tokens": K}'`.
         if self.method == "ngram":
-            # vLLM's own defaults for prompt lookup (vllm serve --speculative-config
-            # '{"method": "ngram", "num_speculative_tokens": K}').
             return {"method": "ngram", "num_speculative_tokens": self.k,
                     "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+        if self.method == "suffix":
+            # Up to K per step (vLLM's default would be the tree depth, 24): the
+            # same budget as specserve_suffix; its global tree keeps every
+            # earlier request's output, as specserve's fleet memory does.
+            return {"method": "suffix", "num_speculative_tokens": self.k}
         return {"method": "draft_model", "model": self.draft, "num_speculative_tokens": self.k}
 
     async def start(self):
@@ -289,9 +296,10 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
             out.append((system, None, lambda: LocalBackend("specserve", LocalSpec(
                 a.target, a.draft, k=a.k, settings=s, adaptive_k=True,
                 speculation=a.speculation()))))
-        elif system == "vllm_ngram":
-            out.append((system, None, lambda: VllmDraftModelBackend(a.target, None, a.k, s,
-                                                                    method="ngram")))
+        elif system in ("vllm_ngram", "vllm_suffix"):
+            method = system.removeprefix("vllm_")
+            out.append((system, None, lambda method=method: VllmDraftModelBackend(
+                a.target, None, a.k, s, method=method)))
         elif system == "specserve_suffix":
             # The suffix draft at a fixed K: it has no model to pay for, and the
             # K controller's figures are a model draft's (issue 26 item 4).

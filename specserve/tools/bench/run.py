@@ -14,6 +14,8 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
                       target's core(s); greedy only (see below);
 - vllm_ngram          vLLM's own prompt lookup inside the engine (speculative_config
                       method "ngram", same K): drafts that need no model, co-located;
+- vllm_suffix         vLLM's own SuffixDecoding inside the engine (method "suffix",
+                      up to K a step; Arctic Inference's trees, `make arctic`);
 - specserve           the draft worker streaming over gRPC to the target (LocalSpec)
                       (LocalSpec), with adaptive K (specserve/control/controller.py);
 - specserve_suffix    the suffix draft (no model: specserve/draft/suffix.py) over the
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -281,8 +284,8 @@ def add_arguments(p, positive_int, temperature) -> None:
                    help="F (speculation.branch_fan_out) for every speculative system "
                         "(default: the config's, 3; 0: no branches)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
-                   help="systems to run (default: all but vllm_ngram, specserve_suffix "
-                        "and specserve_hybrid, which run when named, e.g. on the edit "
+                   help="systems to run (default: all but vllm_ngram, vllm_suffix, "
+                        "specserve_suffix and specserve_hybrid, which run when named, e.g. on the edit "
                         "workload)")
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
@@ -309,6 +312,9 @@ def bench_args(args, target: str, draft: str | None) -> BenchArgs:
     prompts = Path(args.prompts) if args.prompts else SAMPLE_PROMPTS
     if not prompts.is_file():
         raise ValueError(f"prompts file {prompts} does not exist")
+    if "vllm_suffix" in args.systems and importlib.util.find_spec("arctic_inference") is None:
+        raise ValueError("--systems vllm_suffix needs Arctic Inference's suffix trees "
+                         "(arctic-inference, which vLLM imports); `make arctic` builds them")
     return BenchArgs(
         target=target, draft=draft, prompts_file=prompts, num_prompts=pick("num_prompts"),
         max_tokens=pick("max_tokens"), temperature=args.temperature,

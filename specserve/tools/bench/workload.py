@@ -11,13 +11,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-SYSTEMS = ("target_only", "specserve_k0", "vllm_draft_model", "vllm_ngram", "specserve",
-           "specserve_suffix", "specserve_hybrid", "specserve_synthetic", "vllm_serve",
-           "specserve_http")
+SYSTEMS = ("target_only", "specserve_k0", "vllm_draft_model", "vllm_ngram", "vllm_suffix",
+           "specserve", "specserve_suffix", "specserve_hybrid", "specserve_synthetic",
+           "vllm_serve", "specserve_http")
 # What runs without --systems: the drafts with a suffix memory (vllm_ngram,
-# specserve_suffix, specserve_hybrid) pay on workloads that repeat themselves
-# (specserve/data/edit_sample.jsonl) and run when named.
-NAMED_ONLY = ("vllm_ngram", "specserve_suffix", "specserve_hybrid")
+# vllm_suffix, specserve_suffix, specserve_hybrid) pay on workloads that repeat
+# themselves (specserve/data/edit_sample.jsonl) and run when named.
+NAMED_ONLY = ("vllm_ngram", "vllm_suffix", "specserve_suffix", "specserve_hybrid")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in NAMED_ONLY)
 SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
 
