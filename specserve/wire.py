@@ -46,17 +46,21 @@ def pack_verified(verified):
                                   held=verified.held.tolist())
 
 
-def pack_drafts(windows: dict):
-    """A DraftBatch from {request id: (position, tokens, [(fork, tokens), ...])}."""
+def pack_drafts(windows: dict, done=()):
+    """A DraftBatch from {request id: (position, tokens, [(fork, tokens), ...])};
+    done: the request ids whose window ends what their draft has for now."""
     from specserve.v1 import spec_pb2
 
     ids, positions, counts, tokens = [], [], [], []
     owner, forks, bcounts, btokens = [], [], [], []
+    done_at = []
     for i, (rid, (position, toks, branches)) in enumerate(windows.items()):
         ids.append(rid)
         positions.append(position)
         counts.append(len(toks))
         tokens += toks
+        if rid in done:
+            done_at.append(i)
         for fork, bt in branches:
             owner.append(i)
             forks.append(fork)
@@ -64,7 +68,7 @@ def pack_drafts(windows: dict):
             btokens += bt
     return spec_pb2.DraftBatch(request_ids=ids, positions=positions, counts=counts,
                                token_ids=tokens, branch_of=owner, fork_positions=forks,
-                               branch_counts=bcounts, branch_token_ids=btokens)
+                               branch_counts=bcounts, branch_token_ids=btokens, done=done_at)
 
 
 def unpack_verified(batch) -> list[tuple[str, int, list[int], int]]:

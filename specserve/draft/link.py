@@ -65,6 +65,9 @@ class SinkLink:
         self._sent = SentWindows()
         # request id -> (from where its window goes out, its new branches), not sent yet
         self._pending: dict[str, tuple[int, list]] = {}
+        # request id -> the verified position it knows: its window from there is
+        # all it has for now
+        self._done: dict[str, int] = {}
         self._flush_at_turn = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{address}")
 
@@ -84,30 +87,50 @@ class SinkLink:
         if delta is not None:
             self._queue_delta(rid, *delta)
 
+    def send_done(self, rid: str, position: int, tokens: list[int]) -> None:
+        """The request's whole window from the verified position the draft
+        knows (`tokens`, maybe none) is all it has until it hears the target:
+        the sink stops waiting for it if it verified that far and no further.
+        Goes out whole (not as a delta) with this loop turn's batch."""
+        self._sent.delta(rid, position, tokens)  # the record: the sink will hold it
+        self._done[rid] = position
+        self._flush_soon()
+
     def _queue_delta(self, rid: str, start: int, branches: list) -> None:
         pending = self._pending.get(rid)
         if pending is not None:
             start, branches = min(start, pending[0]), pending[1] + branches
         self._pending[rid] = (start, branches)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if not self._flush_at_turn:
             self._flush_at_turn = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_at_turn = False
-        if not self._pending:
+        if not self._pending and not self._done:
             return
         windows = {}
         for rid, (start, branches) in self._pending.items():
             position, tokens = self._sent.tokens_from(rid, start)
             windows[rid] = (position, tokens, branches)
             self.tokens_sent += len(tokens) + sum(len(b) for _, b in branches)
+        for rid, position in self._done.items():
+            branches = windows[rid][2] if rid in windows else []
+            _, tokens = self._sent.tokens_from(rid, position)
+            self.tokens_sent += len(tokens) - (len(windows[rid][1]) if rid in windows else 0)
+            windows[rid] = (position, tokens, branches)
+        done = set(self._done)
         self._pending.clear()
+        self._done.clear()
         self.batches += 1
-        self._put(spec_pb2.DraftMessage(batch=pack_drafts(windows)))
+        self._put(spec_pb2.DraftMessage(batch=pack_drafts(windows, done)))
 
     def close_request(self, rid: str) -> None:
         self._pending.pop(rid, None)  # a window for a request we close is moot
+        self._done.pop(rid, None)
         self._sent.forget(rid)
         self._put(spec_pb2.DraftMessage(close=spec_pb2.CloseRequest(request_id=rid)))
 
@@ -129,6 +152,7 @@ class SinkLink:
             queue: asyncio.Queue = asyncio.Queue(maxsize=self._max_queued)
             self._sent.clear()  # a new stream: the sink holds nothing of ours
             self._pending.clear()
+            self._done.clear()
             try:
                 for rid, ticket, verified, drafts in self._snapshot(self):
                     queue.put_nowait(spec_pb2.DraftMessage(open=spec_pb2.OpenRequest(

@@ -421,8 +421,13 @@ class DraftRunner:
                     continue
                 req.changed.clear()
                 if not await self._segment(req) and not req.changed.is_set():
-                    # The model had nothing to add (a synthetic draft past its
-                    # record): wait for the target instead of asking again at once.
+                    # The model had nothing to add (a suffix memory with no
+                    # continuation, a synthetic draft past its record): say so,
+                    # so the target does not wait for us, and wait for it
+                    # instead of asking again at once.
+                    v = len(req.verified)
+                    if len(req.tokens) >= v:
+                        req.link.send_done(req.id, v, req.tokens[v:])
                     await req.changed.wait()
         except asyncio.CancelledError:
             pass

@@ -195,6 +195,17 @@ class DraftBook(WindowIngest, EngineStep):
         entry = self._entries.get(key)
         return 0 if entry is None else entry.length - entry.verified
 
+    def answered(self, key: Hashable, k: int) -> bool:
+        """Nothing to wait for: the request has the most tokens a step can
+        propose it (`want`), its draft said it has nothing more for now (a
+        DraftBatch's done, for the history the book holds), or it is unknown."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return True
+        s = entry.slot
+        return (entry.length - entry.verified >= self.want(key, k)
+                or self.store.done[s] == self.store.L[s])
+
     def want(self, key: Hashable, k: int) -> int:
         """The most tokens a request can be proposed per step: k, or its own K."""
         entry = self._entries.get(key)
@@ -225,6 +236,7 @@ class DraftBook(WindowIngest, EngineStep):
         s = entry.slot
         self.branch_tokens -= self.store.drop_branches(s)
         self.store.L[s] = self.store.V[s]
+        self.store.done[s] = -1
         self.store.stream[s] = 0
         entry.stream = None
         return True

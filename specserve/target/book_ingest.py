@@ -36,7 +36,8 @@ class WindowIngest:
         return int(added[0])
 
     def extend_batch(self, stream: Hashable, keys: Sequence[Hashable], positions, counts, tokens,
-                     branch_of=(), forks=(), bcounts=(), btokens=()) -> tuple[np.ndarray, list]:
+                     branch_of=(), forks=(), bcounts=(), btokens=(),
+                     done=()) -> tuple[np.ndarray, list]:
         """Drafted windows for many requests at once (a DraftBatch), packed:
         entry i is keys[i]'s window at positions [positions[i], positions[i] +
         counts[i]), its tokens the next counts[i] of `tokens`; branch j belongs
@@ -50,7 +51,11 @@ class WindowIngest:
         wins where they differ. Windows are usually deltas (what the draft has
         not sent yet). A branch must fork at a position not yet verified that
         the book holds a drafted token for (from this window or an earlier
-        one), with a token other than that one. stream: the sender (None: any); a request attached to
+        one), with a token other than that one. done: the entries whose window
+        is all their draft has for now, sent whole from the verified position
+        it knew; the book notes it (a wait for the request can stop) where that
+        is the book's verified position and the window ends where the book's
+        drafts now end. stream: the sender (None: any); a request attached to
         another stream (or to none) is unknown to it. Returns (main tokens
         added per entry, [(key, BookError)] for the entries refused).
         """
@@ -63,7 +68,8 @@ class WindowIngest:
         forks = np.asarray(forks, np.int64).reshape(-1)
         bcounts = np.asarray(bcounts, np.int64).reshape(-1)
         btokens = np.asarray(btokens, np.int64).reshape(-1)
-        if (len(positions) != n or len(counts) != n or (counts < 0).any()
+        done = np.asarray(done, np.int64).reshape(-1)
+        if (len(positions) != n or (len(done) and (done.min() < 0 or done.max() >= n)) or len(counts) != n or (counts < 0).any()
                 or counts.sum() != len(tokens) or len(forks) != len(branch_of)
                 or len(bcounts) != len(branch_of) or (bcounts < 0).any()
                 or bcounts.sum() != len(btokens) or (len(branch_of) and (
@@ -136,6 +142,13 @@ class WindowIngest:
                    ((pos[:, None] + j) & (W - 1))[put]] = win[put]
         store.L[s] = np.where(stale, store.L[s], L + take)
         added[ei] = take
+        changed = s[~stale & ((take > 0) | cut)]
+        store.done[changed] = -1  # (a done of this message is noted below)
+        if len(done):
+            said = np.zeros(n, bool)
+            said[done] = True
+            fin = said[ei] & ~stale & (pos == V) & (pos + cnt == store.L[s])
+            store.done[s[fin]] = store.L[s[fin]]
         self.stats.draft_tokens_buffered += int(take.sum())
         if len(branch_of):
             entry_row = np.full(n, -1, np.int64)

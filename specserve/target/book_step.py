@@ -171,6 +171,7 @@ class EngineStep:
                 store.ring[np.broadcast_to(a_s[ti, None], m.shape)[m], (pos[ti] & (W - 1))[m]] = \
                     got[ti][m]
                 store.L[a_s[ti]] = a_n[ti]
+                store.done[a_s[ti]] = -1  # the draft has not heard of it yet
         store.V[s] = n
         b = np.flatnonzero(store.nbranch[s] > 0)
         if len(b):  # branches whose position is verified are dead
@@ -207,6 +208,7 @@ class EngineStep:
         store.ring[np.broadcast_to(hs[:, None], m.shape)[m], ((hp[:, None] + jj) & (W - 1))[m]] = \
             store.btok[hs, hb][m]
         store.L[hs] = hp + keep
+        store.done[hs] = -1
         self._add("branch_hits", sidx[ci[gi]], np.ones(len(gi), np.int64))
         hit[ci[gi]] = True
         return hit

@@ -46,6 +46,9 @@ class SlotStore:
         self.last = np.zeros((c, max_pending), np.int32)  # ... and which
         self.outcome = np.zeros(c, np.int8)  # FIRST ...
         self.uncovered = np.zeros(c, np.int64)  # steps in a row without drafts
+        # len(S) when the draft said it had nothing more (-1: it did not); the
+        # draft is done only while this equals L
+        self.done = np.full(c, -1, np.int64)
         self.own_k = np.zeros(c, np.int64)  # its own K (0: the step's)
         self.end = np.zeros(c, np.int64)  # where its output ends (0: unknown)
         self.stream = np.zeros(c, np.int32)  # the attached stream's index (0: none)
@@ -68,7 +71,7 @@ class SlotStore:
         n = len(prompt)
         self.V[s] = self.L[s] = self.reported[s] = n
         self.last_start[s], self.last_len[s] = -1, 0
-        self.outcome[s], self.uncovered[s] = FIRST, 0
+        self.outcome[s], self.uncovered[s], self.done[s] = FIRST, 0, -1
         self.own_k[s], self.end[s], self.stream[s] = k, end, 0
         self.write(s, max(0, n - self.W), prompt[max(0, n - self.W):])
         self.drop_branches(s)

@@ -275,7 +275,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         keys = [key for _, key in misses]
         with self._arrived:
             while True:
-                if all(self._book.pending(key) >= self._book.want(key, k) for key in keys):
+                if all(self._book.answered(key, k) for key in keys):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -283,9 +283,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 self._arrived.wait(left)
             return self._book.refill(lengths, k)
 
-    def _measure_draft(self, key, added: int) -> None:
+    def _measure_draft(self, key, added: int, done: bool = False) -> None:
         """The draft's speed after a miss: the first fresh drafts' latency (round
-        trip included), then the time per token of the next ones."""
+        trip included; its answer that it has none counts too), then the time
+        per token of the next ones."""
         times = self._miss_sent.get(key)
         if times is None:
             return
@@ -295,10 +296,13 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             if added >= 4:  # the draft sends its tokens in bulk: no wait per token
                 self._draft_token_s = _ewma(self._draft_token_s, 0.0)
                 del self._miss_sent[key]
+            elif done:  # all it has: nothing to time per token
+                del self._miss_sent[key]
             else:
                 times[1] = now
         else:
-            self._draft_token_s = _ewma(self._draft_token_s, (now - times[1]) / added)
+            if added:
+                self._draft_token_s = _ewma(self._draft_token_s, (now - times[1]) / added)
             del self._miss_sent[key]
 
     def stats(self) -> dict:
@@ -422,12 +426,13 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 added, errors = self._book.extend_batch(
                     stream.id, list(batch.request_ids), batch.positions, batch.counts,
                     batch.token_ids, batch.branch_of, batch.fork_positions,
-                    batch.branch_counts, batch.branch_token_ids)
-                if added.any():
-                    for i in np.flatnonzero(added).tolist():
+                    batch.branch_counts, batch.branch_token_ids, batch.done)
+                done = set(batch.done)
+                if added.any() or done:
+                    for i in sorted(set(np.flatnonzero(added).tolist()) | done):
                         rid = batch.request_ids[i]
                         if rid in self._miss_sent:
-                            self._measure_draft(rid, int(added[i]))
+                            self._measure_draft(rid, int(added[i]), done=i in done)
                     self._arrived.notify_all()
         except BookError as e:
             errors = [("", e)]

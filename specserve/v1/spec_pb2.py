@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specserve/v1/spec.proto\x12\x0cspecserve.v1\"\xc5\x01\n\x0c\x44raftMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specserve.v1.OpenRequestH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specserve.v1.DraftTokensH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.CloseRequestH\x00\x12)\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x18.specserve.v1.DraftBatchH\x00\x42\x06\n\x04kind\"\xb3\x01\n\nDraftBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tbranch_of\x18\x05 \x03(\r\x12\x16\n\x0e\x66ork_positions\x18\x06 \x03(\x04\x12\x15\n\rbranch_counts\x18\x07 \x03(\r\x12\x18\n\x10\x62ranch_token_ids\x18\x08 \x03(\x05\"L\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x19\n\x11verified_position\x18\x03 \x01(\x04\"n\n\x0b\x44raftTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08\x62ranches\x18\x04 \x03(\x0b\x32\x14.specserve.v1.Branch\"2\n\x06\x42ranch\x12\x15\n\rfork_position\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x9d\x01\n\x0bSinkMessage\x12/\n\x08verified\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.VerifiedBatchH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.RequestErrorH\x00\x12(\n\x07release\x18\x03 \x01(\x0b\x32\x15.specserve.v1.ReleaseH\x00\x42\x06\n\x04kind\"6\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0funcovered_steps\x18\x02 \x01(\r\"h\n\rVerifiedBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04held\x18\x05 \x03(\x04\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"7\n\tSinkStats\x12*\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftFigures\"\xbe\x01\n\x0c\x44raftFigures\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12:\n\x08\x63ounters\x18\x02 \x03(\x0b\x32(.specserve.v1.DraftFigures.CountersEntry\x12\r\n\x05waits\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x8f\x01\n\tDraftSink\x12\x44\n\x07\x43onnect\x12\x1a.specserve.v1.DraftMessage\x1a\x19.specserve.v1.SinkMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x17.specserve.v1.SinkStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specserve/v1/spec.proto\x12\x0cspecserve.v1\"\xc5\x01\n\x0c\x44raftMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.specserve.v1.OpenRequestH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specserve.v1.DraftTokensH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.CloseRequestH\x00\x12)\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x18.specserve.v1.DraftBatchH\x00\x42\x06\n\x04kind\"\xc1\x01\n\nDraftBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tbranch_of\x18\x05 \x03(\r\x12\x16\n\x0e\x66ork_positions\x18\x06 \x03(\x04\x12\x15\n\rbranch_counts\x18\x07 \x03(\r\x12\x18\n\x10\x62ranch_token_ids\x18\x08 \x03(\x05\x12\x0c\n\x04\x64one\x18\t \x03(\r\"L\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x19\n\x11verified_position\x18\x03 \x01(\x04\"n\n\x0b\x44raftTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08\x62ranches\x18\x04 \x03(\x0b\x32\x14.specserve.v1.Branch\"2\n\x06\x42ranch\x12\x15\n\rfork_position\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x9d\x01\n\x0bSinkMessage\x12/\n\x08verified\x18\x01 \x01(\x0b\x32\x1b.specserve.v1.VerifiedBatchH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.RequestErrorH\x00\x12(\n\x07release\x18\x03 \x01(\x0b\x32\x15.specserve.v1.ReleaseH\x00\x42\x06\n\x04kind\"6\n\x07Release\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0funcovered_steps\x18\x02 \x01(\r\"h\n\rVerifiedBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x0c\n\x04held\x18\x05 \x03(\x04\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"7\n\tSinkStats\x12*\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftFigures\"\xbe\x01\n\x0c\x44raftFigures\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12:\n\x08\x63ounters\x18\x02 \x03(\x0b\x32(.specserve.v1.DraftFigures.CountersEntry\x12\r\n\x05waits\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x8f\x01\n\tDraftSink\x12\x44\n\x07\x43onnect\x12\x1a.specserve.v1.DraftMessage\x1a\x19.specserve.v1.SinkMessage(\x01\x30\x01\x12<\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x17.specserve.v1.SinkStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTMESSAGE']._serialized_start=42
   _globals['_DRAFTMESSAGE']._serialized_end=239
   _globals['_DRAFTBATCH']._serialized_start=242
-  _globals['_DRAFTBATCH']._serialized_end=421
-  _globals['_OPENREQUEST']._serialized_start=423
-  _globals['_OPENREQUEST']._serialized_end=499
-  _globals['_DRAFTTOKENS']._serialized_start=501
-  _globals['_DRAFTTOKENS']._serialized_end=611
-  _globals['_BRANCH']._serialized_start=613
-  _globals['_BRANCH']._serialized_end=663
-  _globals['_CLOSEREQUEST']._serialized_start=665
-  _globals['_CLOSEREQUEST']._serialized_end=699
-  _globals['_SINKMESSAGE']._serialized_start=702
-  _globals['_SINKMESSAGE']._serialized_end=859
-  _globals['_RELEASE']._serialized_start=861
-  _globals['_RELEASE']._serialized_end=915
-  _globals['_VERIFIEDBATCH']._serialized_start=917
-  _globals['_VERIFIEDBATCH']._serialized_end=1021
-  _globals['_REQUESTERROR']._serialized_start=1023
-  _globals['_REQUESTERROR']._serialized_end=1088
-  _globals['_STATSREQUEST']._serialized_start=1090
-  _globals['_STATSREQUEST']._serialized_end=1104
-  _globals['_SINKSTATS']._serialized_start=1106
-  _globals['_SINKSTATS']._serialized_end=1161
-  _globals['_DRAFTFIGURES']._serialized_start=1164
-  _globals['_DRAFTFIGURES']._serialized_end=1354
-  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_start=1307
-  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_end=1354
-  _globals['_DRAFTSINK']._serialized_start=1357
-  _globals['_DRAFTSINK']._serialized_end=1500
+  _globals['_DRAFTBATCH']._serialized_end=435
+  _globals['_OPENREQUEST']._serialized_start=437
+  _globals['_OPENREQUEST']._serialized_end=513
+  _globals['_DRAFTTOKENS']._serialized_start=515
+  _globals['_DRAFTTOKENS']._serialized_end=625
+  _globals['_BRANCH']._serialized_start=627
+  _globals['_BRANCH']._serialized_end=677
+  _globals['_CLOSEREQUEST']._serialized_start=679
+  _globals['_CLOSEREQUEST']._serialized_end=713
+  _globals['_SINKMESSAGE']._serialized_start=716
+  _globals['_SINKMESSAGE']._serialized_end=873
+  _globals['_RELEASE']._serialized_start=875
+  _globals['_RELEASE']._serialized_end=929
+  _globals['_VERIFIEDBATCH']._serialized_start=931
+  _globals['_VERIFIEDBATCH']._serialized_end=1035
+  _globals['_REQUESTERROR']._serialized_start=1037
+  _globals['_REQUESTERROR']._serialized_end=1102
+  _globals['_STATSREQUEST']._serialized_start=1104
+  _globals['_STATSREQUEST']._serialized_end=1118
+  _globals['_SINKSTATS']._serialized_start=1120
+  _globals['_SINKSTATS']._serialized_end=1175
+  _globals['_DRAFTFIGURES']._serialized_start=1178
+  _globals['_DRAFTFIGURES']._serialized_end=1368
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_start=1321
+  _globals['_DRAFTFIGURES_COUNTERSENTRY']._serialized_end=1368
+  _globals['_DRAFTSINK']._serialized_start=1371
+  _globals['_DRAFTSINK']._serialized_end=1514
 # @@protoc_insertion_point(module_scope)

@@ -19,7 +19,7 @@ class DraftMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftTokens, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., batch: _Optional[_Union[DraftBatch, _Mapping]] = ...) -> None: ...
 
 class DraftBatch(_message.Message):
-    __slots__ = ("request_ids", "positions", "counts", "token_ids", "branch_of", "fork_positions", "branch_counts", "branch_token_ids")
+    __slots__ = ("request_ids", "positions", "counts", "token_ids", "branch_of", "fork_positions", "branch_counts", "branch_token_ids", "done")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class DraftBatch(_message.Message):
     FORK_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_COUNTS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     positions: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
@@ -36,7 +37,8 @@ class DraftBatch(_message.Message):
     fork_positions: _containers.RepeatedScalarFieldContainer[int]
     branch_counts: _containers.RepeatedScalarFieldContainer[int]
     branch_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., branch_of: _Optional[_Iterable[int]] = ..., fork_positions: _Optional[_Iterable[int]] = ..., branch_counts: _Optional[_Iterable[int]] = ..., branch_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    done: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., branch_of: _Optional[_Iterable[int]] = ..., fork_positions: _Optional[_Iterable[int]] = ..., branch_counts: _Optional[_Iterable[int]] = ..., branch_token_ids: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("request_id", "ticket", "verified_position")

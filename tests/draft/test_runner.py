@@ -34,6 +34,7 @@ class FakeLink:
         self.drafts = []
         self.branches = []  # per send: [(fork position, tokens)]
         self.closed = []
+        self.done = []  # (rid, end, last token)
 
     def open(self, rid, ticket, verified_position=0):
         self.opened[rid] = ticket
@@ -41,6 +42,9 @@ class FakeLink:
     def send_draft(self, rid, position, tokens, branches=()):
         self.drafts.append((rid, position, list(tokens)))
         self.branches.append([(f, list(t)) for f, t in branches])
+
+    def send_done(self, rid, end, last):
+        self.done.append((rid, end, last))
 
     def close_request(self, rid):
         self.closed.append(rid)

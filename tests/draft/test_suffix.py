@@ -26,6 +26,8 @@ class Link:
     def send_draft(self, rid, position, tokens, branches=()):
         self.sent.setdefault(rid, []).append((position, list(tokens), list(branches)))
 
+    def send_done(self, rid, end, last): pass
+
 
 async def _settle():
     for _ in range(50):

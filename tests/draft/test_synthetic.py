@@ -142,6 +142,7 @@ def test_runner_waits_when_the_model_has_nothing():
     class Link:
         def open(self, *a, **kw): pass
         def send_draft(self, *a): pass
+        def send_done(self, *a): pass
         def close_request(self, *a): pass
         async def close(self): pass
 

@@ -611,3 +611,45 @@ def test_verified_tokens_split_by_the_stream_they_go_to():
     assert [(u.key, u.position, u.token_ids) for u in parts[1].updates()] == [
         ((1, "a"), 2, [7, 8]), ((1, "c"), 2, [10, 11])]
     assert [(u.key, u.token_ids) for u in parts[2].updates()] == [((2, "b"), [9])]
+
+
+def test_a_draft_that_says_it_has_nothing_more_ends_the_wait_for_that_history_only():
+    """A DraftBatch's done: the request is answered (the bounded wait can stop)
+    while the book's verified position is where the draft's whole window
+    starts and its drafts end where the window does. A done sent before the
+    draft heard the target's last step is told apart; a rejection or new drafts
+    make the request unanswered again."""
+    key = ("s", "r")
+    b = book()
+    _rejected_at_40(b, [])  # S = [1 2 5 6 40], verified 5, nothing drafted past it
+    assert b.misses == [(0, key)] and not b.answered(key, K)
+
+    def done(position, tokens):
+        added, errors = b.extend_batch(None, [key], [position], [len(tokens)], tokens,
+                                       done=[0])
+        assert errors == []
+        return int(added[0])
+
+    # Sent before the draft heard of 40: built on 7 (stale), ...
+    assert done(3, [6, 7, 8]) == 0 and not b.answered(key, K)
+    # ... or agreeing with the target but from a verified position it has left.
+    assert done(3, [6, 40]) == 0 and not b.answered(key, K)
+    # Heard it, and found nothing to draft.
+    assert done(5, []) == 0 and b.answered(key, K)
+    assert b.refill([5], K) == {}  # answered with nothing: no proposal, no hit
+    # New drafts after it: waiting again until they reach K or the draft says done.
+    b.extend(key, 5, [41])
+    assert not b.answered(key, K)
+    assert done(5, [41, 42]) == 1 and b.answered(key, K)
+    # A malformed done index refuses the batch.
+    with pytest.raises(BookError):
+        b.extend_batch(None, [key], [7], [0], [], done=[1])
+    # The next rejection (the target took 41 and then 50): not answered until the
+    # draft says so for the new history.
+    b.propose([h(1, 2, 5, 6, 40)], K, K + 1, keys=[key])
+    b.propose([h(1, 2, 5, 6, 40, 41, 50)], K, K + 1, keys=[key])
+    assert b.misses == [(0, key)] and not b.answered(key, K)
+    assert done(5, [41, 42]) == 0 and not b.answered(key, K)  # before it heard
+    assert done(7, []) == 0 and b.answered(key, K)
+    b.detach(key)  # a draft that attaches again has said nothing yet
+    assert not b.answered(key, K)

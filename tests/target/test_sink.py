@@ -376,6 +376,56 @@ def test_a_release_reaches_the_draft_runner_over_the_wire():
         s.stop()
 
 
+def test_a_wait_ends_when_the_draft_says_it_has_nothing_for_the_targets_token():
+    """A real SinkLink and DraftRunner with a memory-like draft that knows no
+    continuation after the target's token: after the rejection the runner
+    rolls back, finds nothing and says so (DraftBatch.done), and the sink's wait
+    ends then, not at its bound; the answer is the draft's round trip."""
+    import asyncio
+
+    from specserve.draft.runner import DraftRunner
+
+    class Memory:
+        max_model_len = 1000
+        known = {2: [5, 6, 7, 8]}  # after 2: 5 6 7 8; after anything else: nothing
+
+        async def continue_tokens(self, segment_id, request_id, tokens, max_tokens):
+            if tokens[-1] in self.known:
+                yield self.known[tokens[-1]][:max_tokens]
+
+    s = DraftSink(vocab_size=100, max_requests=8, max_pending=16, max_wait_s=0.25)
+    s.start("127.0.0.1:0")
+    bound = 2.0  # far above any round trip: a wait that lasts it did not end early
+    s.wait_bound = lambda *a: bound
+
+    async def main():
+        runner = DraftRunner(Memory())
+        s.register("r", [1, 2], ticket="t")
+        runner.start("r", [1, 2], f"127.0.0.1:{s.port}", lookahead=8, max_tokens=50,
+                     ticket="t")
+        for _ in range(200):
+            if s._book.pending("r") == 4 and s._book.answered("r", 8):
+                break  # drafted 5 6 7 8, then said it had nothing more
+            await asyncio.sleep(0.02)
+        assert s._book.pending("r") == 4 and s._book.answered("r", 8)
+        props = await asyncio.to_thread(s.propose, *rows(h(1, 2, 5)), [True], 3, ["r"])
+        assert props == [[6, 7, 8]]
+        t0 = time.monotonic()  # the target took 6, then sampled 40 instead of 7
+        props = await asyncio.to_thread(s.propose, *rows(h(1, 2, 5, 6, 40)), [True], 3, ["r"])
+        waited = time.monotonic() - t0
+        await runner.close()
+        return props, waited
+
+    try:
+        props, waited = asyncio.run(main())
+        assert props == [[]]
+        assert waited < bound / 4, waited
+        assert len(s._round_trips) == 1 and s._round_trips[0] < bound / 4
+        assert s.stats()["request_errors"] == 0
+    finally:
+        s.stop()
+
+
 # ---- branches and the bounded wait ------------------------------------------------
 
 
