@@ -16,10 +16,7 @@ class KControlConfig(_Strict):
                               "acceptance is trusted; until then it runs at full K.")
     min_requests: int = Field(
         4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
-                             "than min_drafted_tokens (drafts that never arrive in time); "
-                             "also the most requests in flight measuring a pool not judged "
-                             "yet (a burst beyond them goes without drafts until the "
-                             "figures come).")
+                             "than min_drafted_tokens (drafts that never arrive in time).")
     min_steps: int = Field(
         32, ge=1, description="Target steps of a pool's finished requests after which it is "
                               "judged even if it drafted fewer than min_drafted_tokens: its "

@@ -188,10 +188,7 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
     """Draft pool and K for the next request.
 
     Pools without enough measurements are tried first (round-robin by turn),
-    at full K, by at most th.min_requests requests in flight each: a burst of
-    requests that arrives before any figure does is not all sent at a K that
-    may not pay (the rest go without drafts, or to a measured pool, until the
-    figures come). Otherwise the pool with the best predicted speedup (its
+    at full K. Otherwise the pool with the best predicted speedup (its
     acceptance and coverage against the target's step cost), discounted by how
     busy its replicas are, wins, with its own K. When no pool's K is above 0,
     a pool idle for `probe_gap` requests gets a probe at full K (the longest
@@ -202,15 +199,9 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
     if not pools or k_max <= 0:
         return Choice(None, 0, "no draft pools")
     fresh = [p for p in pools if is_fresh(p, th)]
-    measuring = [p for p in fresh if p.inflight < th.min_requests]
-    if measuring:
-        p = measuring[turn % len(measuring)]
+    if fresh:
+        p = fresh[turn % len(fresh)]
         return Choice(p.name, k_max, f"measuring {p.name} ({p.draft_tokens} tokens so far)")
-    pools = [p for p in pools if not is_fresh(p, th)]
-    if not pools:
-        names = ", ".join(p.name for p in fresh)
-        return Choice(None, 0, f"measuring {names}: {th.min_requests} requests in flight "
-                               "each; no drafts until their figures come")
 
     def value(p: PoolView) -> tuple[float, int]:
         k = pool_k(p, k_max, load, cost, rows, th)

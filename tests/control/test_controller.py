@@ -152,20 +152,3 @@ def test_thresholds_come_from_the_config():
     with pytest.raises(ValueError, match=r"max_probe_every \(4\) must be at least probe_every \(5\)"):
         AppConfig.from_dict({"speculation": {"k_control": {"probe_every": 5,
                                                            "max_probe_every": 4}}})
-
-
-def test_a_burst_measures_a_new_pool_with_a_few_requests_and_sends_the_rest_without():
-    """Before any figure comes, at most min_requests requests in flight measure a
-    pool at full K; the rest of a burst go at K = 0 (a K that may not pay at
-    that batch is not put on all of them), and to a measured pool if there is one."""
-    ctl = KController(4, {POOL: 1})
-    ks = [ctl.choose({}, {POOL: n}, 0.0).k for n in range(8)]  # n: in flight on the pool
-    assert ks == [4, 4, 4, 4, 0, 0, 0, 0]
-    assert "no drafts until their figures come" in ctl.last.reason
-    two = KController(4, {POOL: 1, "other": 1})
-    f = {"other": figures(alpha=0.8)}
-    c = two.choose(f, {POOL: 4}, 0.0, fitted(a=0.020, b=0.0001).cost())
-    assert c.pool == "other" and c.k == 4
-    # Once its figures come, the pool is judged on them as before.
-    assert ctl.choose({POOL: figures(alpha=0.8)}, {POOL: 8}, 0.0,
-                      fitted(a=0.020, b=0.0001).cost()).k == 4
