@@ -80,28 +80,6 @@ def replica_processes(app, name):
     return found
 
 
-def busiest_replica(app, name, seconds=1.0):
-    """The replica process of deployment `name` whose process tree used the
-    most CPU over `seconds`: with several replicas, the one whose engine is
-    stepping (an idle vLLM engine waits without CPU), where a test's streams
-    went. (Serve's routing of concurrent requests may put them all on one.)"""
-    def cpu(p):
-        total = 0.0
-        for q in [p] + p.children(recursive=True):
-            try:
-                t = q.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    replicas = replica_processes(app, name)
-    start = [cpu(p) for p in replicas]
-    time.sleep(seconds)
-    used = [cpu(p) - s for p, s in zip(replicas, start)]
-    return replicas[used.index(max(used))]
-
-
 def kill_replica(app, name, replica=None):
     """SIGKILL a deployment's replica (the only one, or `replica`, a process of
     replica_processes) and the engine processes under it (as when its container
