@@ -320,6 +320,11 @@ def test_vllms_drafts_with_no_model_run_its_own_speculative_configs(tmp_path, mo
     from specserve.cli.parser import build_parser
     from specserve.tools.bench.backends import build_backends
 
+    real = importlib.util.find_spec
+    arctic = {"installed": True}  # (CI's venv has no arctic-inference: `make arctic`)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if arctic["installed"] else None) if name == "arctic_inference"
+        else real(name, *a)))
     args = build_parser().parse_args(
         ["bench", "--systems", "vllm_ngram", "vllm_suffix", "--num-speculative-tokens", "3"])
     a = run.bench_args(args, "/models/t", None)
@@ -333,8 +338,6 @@ def test_vllms_drafts_with_no_model_run_its_own_speculative_configs(tmp_path, mo
         "method": "suffix", "num_speculative_tokens": 3}
     assert "vllm_suffix" not in workload.DEFAULT_SYSTEMS  # runs when named
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    arctic["installed"] = False
     with pytest.raises(ValueError, match="make arctic"):
         run.bench_args(args, "/models/t", None)
