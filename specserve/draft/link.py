@@ -117,12 +117,15 @@ class SinkLink:
             position, tokens = self._sent.tokens_from(rid, start)
             windows[rid] = (position, tokens, branches)
             self.tokens_sent += len(tokens) + sum(len(b) for _, b in branches)
+        done = set()
         for rid, position in self._done.items():
-            branches = windows[rid][2] if rid in windows else []
-            _, tokens = self._sent.tokens_from(rid, position)
-            self.tokens_sent += len(tokens) - (len(windows[rid][1]) if rid in windows else 0)
-            windows[rid] = (position, tokens, branches)
-        done = set(self._done)
+            start, tokens = self._sent.tokens_from(rid, position)
+            if start != position:
+                continue  # it sent a window from further on since: not done there
+            pending = windows.get(rid, (0, [], []))
+            self.tokens_sent += len(tokens) - len(pending[1])
+            windows[rid] = (position, tokens, pending[2])
+            done.add(rid)
         self._pending.clear()
         self._done.clear()
         self.batches += 1

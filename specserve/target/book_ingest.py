@@ -69,7 +69,8 @@ class WindowIngest:
         bcounts = np.asarray(bcounts, np.int64).reshape(-1)
         btokens = np.asarray(btokens, np.int64).reshape(-1)
         done = np.asarray(done, np.int64).reshape(-1)
-        if (len(positions) != n or (len(done) and (done.min() < 0 or done.max() >= n)) or len(counts) != n or (counts < 0).any()
+        if (len(positions) != n or len(counts) != n or (counts < 0).any()
+                or (len(done) and (done.min() < 0 or done.max() >= n))
                 or counts.sum() != len(tokens) or len(forks) != len(branch_of)
                 or len(bcounts) != len(branch_of) or (bcounts < 0).any()
                 or bcounts.sum() != len(btokens) or (len(branch_of) and (

@@ -687,3 +687,36 @@ def test_a_burst_of_opens_and_closes_is_not_cut_but_refused_ones_count():
         assert thief.status == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         sink.stop()
+
+
+def test_a_links_done_goes_out_whole_and_not_after_a_window_from_further_on():
+    """send_done: the request's whole window from the verified position it
+    names, marked done, in the turn's one batch; a window sent from a later
+    verified position in the same turn means the draft heard more, and the
+    done is dropped (its position no longer matches what goes out)."""
+    import asyncio
+
+    from specserve.draft.link import SinkLink
+    from specserve.wire import pack_drafts
+
+    sent = []
+
+    async def main():
+        link = SinkLink("127.0.0.1:9", lambda *a: None, lambda link: [])
+        link._task.cancel()  # no stream (a connect would clear what is pending)
+        link._put = sent.append
+        link.send_draft("a", 5, [6, 7])
+        await asyncio.sleep(0)
+        link.send_done("a", 5, [6, 7])  # the sink holds 6 7: sent again, whole, done
+        link.send_done("b", 9, [])  # nothing past 9
+        await asyncio.sleep(0)
+        link.send_done("c", 3, [4])
+        link.send_draft("c", 4, [8])  # heard 4 since: not done at 3
+        await asyncio.sleep(0)
+        await link.close()
+
+    asyncio.run(main())
+    batches = [m.batch for m in sent if m.WhichOneof("kind") == "batch"]
+    assert batches[0] == pack_drafts({"a": (5, [6, 7], [])})
+    assert batches[1] == pack_drafts({"a": (5, [6, 7], []), "b": (9, [], [])}, {"a", "b"})
+    assert batches[2] == pack_drafts({"c": (4, [8], [])}, set())
