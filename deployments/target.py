@@ -109,6 +109,7 @@ class TargetServer:
             max_wait_ms=self.config.speculation.max_wait_ms,
             release_after_steps=self.config.speculation.release_after_steps,
             max_stream_messages_per_s=self.config.speculation.max_stream_messages_per_s,
+            per_request_k=self.config.speculation.per_request_k,
             distributed_executor_backend=None if executor == "uni" else executor,
             engine_metrics=True)  # vLLM's own metrics, for vLLM's dashboards
         # The engine, its counters and its measured decode step cost (a + b ·

@@ -71,7 +71,12 @@ def bench(url: str, model: str, tokenizer: str, dataset: Path, args, concurrency
 
 @contextlib.contextmanager
 def specserve_server(args, model: str, tokenizer: str, c: int):
-    server = ServeProcess(None, args.out / f"specserve-c{c}")
+    config = None
+    if args.config is not None:
+        import yaml
+
+        config = yaml.safe_load(args.config.read_text())
+    server = ServeProcess(config, args.out / f"specserve-c{c}")
     try:
         server.wait_ready(model, timeout=900)
         yield server.url
@@ -164,6 +169,9 @@ def main() -> int:
     p.add_argument("--spec-bench", type=Path, default=WORKLOADS["spec_bench"],
                    help="Spec-Bench question file (default: the sample in specserve/data)")
     p.add_argument("--out", type=Path, default=Path("/tmp/vs-vllm-serve"))
+    p.add_argument("--config", type=Path,
+                   help="specserve's config file (default: none, the embedded default "
+                        "that `make serve` runs)")
     p.add_argument("--only", choices=SYSTEMS, action="append",
                    help="run this system only (repeatable); the others' results come "
                         "from --out")

@@ -191,7 +191,8 @@ class LocalSpec:
             self.target, self.settings, tp=self.tp, k=self.k, tls=self.tls, cpus=target_cpus,
             max_wait_ms=self.speculation.max_wait_ms,
             release_after_steps=self.speculation.release_after_steps,
-            max_stream_messages_per_s=self.speculation.max_stream_messages_per_s)
+            max_stream_messages_per_s=self.speculation.max_stream_messages_per_s,
+            per_request_k=self.speculation.per_request_k)
         self.engine, self.totals = self.target_engine.engine, self.target_engine.totals
         self.sink_address = self.target_engine.sink_address
         if self.synthetic is not None:

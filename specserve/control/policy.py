@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 V_IDLE = 0.05  # modelled marginal cost of one verified token at low load, in target steps
 
 
@@ -88,6 +90,39 @@ def modelled_cost(load: float, v_idle: float = V_IDLE) -> StepCost:
     return StepCost(1.0 - v, v, measured=False)
 
 
+def token_cost(cost: StepCost) -> float:
+    """b as the policy counts it: b >= V_IDLE · (a + b), a verified token costs
+    at least V_IDLE of a one-row step (see the module docstring)."""
+    return max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
+
+
+def row_k(alpha: np.ndarray, k: np.ndarray, price: float) -> np.ndarray:
+    """Per row, the drafted tokens worth verifying: the largest j <= k[i] with
+    alpha[i]^j > price (0 if none).
+
+    The marginal form of the rate model for one row of a running batch: the
+    batch emits T tokens in a step of S seconds; one more drafted token on a
+    row adds b seconds to the step and, accepted with probability α^j (its j-1
+    predecessors and itself), α^j tokens. (T + α^j) / (S + b) > T / S exactly
+    when α^j > b · T / S: the token pays when its chance of acceptance beats
+    `price` = b × the batch's output rate (tokens per second). The sink prices
+    each step from its measured b (`token_cost`) and rate, and each row's α
+    from its own verify outcomes (`specserve.target.book_step`)."""
+    alpha = np.clip(np.asarray(alpha, np.float64), 0.0, 1.0)
+    k = np.asarray(k, np.int64)
+    if price <= 0.0:
+        return k.copy()
+    if price >= 1.0:
+        return np.zeros_like(k)
+    with np.errstate(divide="ignore"):
+        # α^j > price  <=>  j < log(price) / log(α)   (both logs negative)
+        bound = np.log(price) / np.log(alpha)  # α = 0: 0 (-inf / -inf would be nan)
+    bound = np.where(alpha <= 0.0, 0.0, np.where(alpha >= 1.0, np.inf, bound))
+    # the largest integer j strictly below the bound
+    j = np.where(np.isinf(bound), k, np.ceil(bound) - 1).astype(np.int64, copy=False)
+    return np.clip(j, 0, k)
+
+
 def predicted_rate(alpha: float, coverage: float, k: int, rows: float, a: float,
                    b: float, wait: float = 0.0) -> float:
     """Output tokens per second of the target with r rows speculating K; `wait`:
@@ -104,8 +139,7 @@ def speedup(alpha: float, k: int, load: float = 0.0, cost: StepCost | None = Non
     if cost is None:
         cost, rows = modelled_cost(load), 1.0
     wait = wait_s if cost.measured else 0.0
-    # b >= V_IDLE · (a + b): a verified token costs at least V_IDLE of a one-row step
-    a, b = cost.fixed, max(cost.per_token, cost.fixed * V_IDLE / (1.0 - V_IDLE))
+    a, b = cost.fixed, token_cost(cost)
     return (predicted_rate(alpha, coverage, k, rows, a, b, wait)
             / predicted_rate(alpha, coverage, 0, rows, a, b))
 

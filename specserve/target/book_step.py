@@ -6,7 +6,8 @@ stage, over all rows at once.
 rejected or draftless, counted exactly), move its verified position over the
 tokens it gained (`_advance`; a rejection takes a matching branch,
 `_take_branches`, or restarts S from the row), then propose the next drafted
-tokens and hand out the verified ones (`_propose`). `refill` serves the
+tokens, as many as the request's own acceptance says pay at the step's price
+(`_worth`), and hand out the verified ones (`_propose`). `refill` serves the
 bounded wait. Pure: numpy over the store's arrays
 (`specserve.target.book_store`), no Python loop per row but building the
 proposal lists vLLM wants.
@@ -18,9 +19,15 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from specserve.control import policy
 from specserve.target import book_store as st
 from specserve.target.book_entry import Verified, VerifiedUpdate
 from specserve.target.book_stats import ACCEPTED, DRAFTLESS, REJECTED
+
+# A request's α starts as its draft stream's, worth this many trials of its own.
+PRIOR_TRIALS = 4
+# A row whose α says no drafts pay still tries one token this often (steps).
+PROBE_EVERY = 8
 
 _OUTCOMES = ((st.ACCEPTED, ACCEPTED), (st.REJECTED, REJECTED), (st.DRAFTLESS, DRAFTLESS))
 
@@ -33,6 +40,7 @@ class EngineStep:
         max_advance: int,
         active: Sequence[bool] | None = None,
         keys: Sequence[Hashable | None] | None = None,
+        price: float = 0.0,
     ) -> tuple[list[list[int]], list[VerifiedUpdate]]:
         """`propose_rows` for a list of histories (tests, tools): the verified
         updates as a list."""
@@ -41,7 +49,7 @@ class EngineStep:
         for i, h in enumerate(histories):
             tok[i, : len(h)] = h
         lengths = np.array([len(h) for h in histories], np.int64)
-        proposals, verified = self.propose_rows(tok, lengths, k, max_advance, active, keys)
+        proposals, verified = self.propose_rows(tok, lengths, k, max_advance, active, keys, price)
         return proposals, verified.updates()
 
     def propose_rows(
@@ -52,6 +60,7 @@ class EngineStep:
         max_advance: int,
         active: Sequence[bool] | None = None,
         keys: Sequence[Hashable | None] | None = None,
+        price: float = 0.0,
     ) -> tuple[list[list[int]], Verified]:
         """Drafts for each batch row, and the verified tokens to report.
 
@@ -63,6 +72,9 @@ class EngineStep:
         max_advance: the most tokens a row can gain in one step (k + 1).
         active[i]: False for rows that sampled nothing this step (partial
         prefill); they get no draft and update nothing.
+        price: a drafted token is proposed only where its row's chance of
+        having it accepted beats this (`policy.row_k`; 0: every row gets its K).
+        Sets `emitted`: the tokens the rows gained in the step that just ran.
         """
         nrows = len(lengths)
         proposals: list[list[int]] = [[] for _ in range(nrows)]
@@ -70,6 +82,7 @@ class EngineStep:
         self._uncovered = []
         act = np.ones(nrows, bool) if active is None else np.asarray(active, bool)[:nrows]
         self.stats.rows_seen += int(act.sum())
+        self.emitted = int(act.sum())  # a row the book does not know: one token
         if keys is None or not nrows:
             return proposals, Verified.none()
         slots = self._slots(keys)
@@ -82,9 +95,10 @@ class EngineStep:
         if not len(rows):
             return proposals, Verified.none()
         sidx = self.store.stream[s]
+        self.emitted += int(np.minimum(n - self.store.V[s], max_advance).sum()) - len(rows)
         self._judge_last(tok, rows, s, n, sidx)
         self._advance(tok, rows, s, n, sidx)
-        return self._propose(proposals, tok, rows, s, n, sidx, k)
+        return self._propose(proposals, tok, rows, s, n, sidx, k, price)
 
     def _slots(self, keys) -> np.ndarray:
         """Each row's slot (-1: unknown key); cached while the keys and the
@@ -123,7 +137,10 @@ class EngineStep:
             tried = jlen > 0
             self._add("verified_steps", sidx[ji], tried)
             self._add("accepted_tokens", sidx[ji], np.where(tried, accepted, 0))
-            self._add("alpha_trials", sidx[ji], np.where(tried, np.minimum(accepted + 1, jlen), 0))
+            trials = np.where(tried, np.minimum(accepted + 1, jlen), 0)
+            self._add("alpha_trials", sidx[ji], trials)
+            store.accepted[js] += np.where(tried, accepted, 0)
+            store.trials[js] += trials
             rejected = tried & (accepted < jlen) & (matched == accepted)
             store.outcome[js[tried & rejected]] = st.REJECTED
             store.outcome[js[tried & ~rejected]] = st.ACCEPTED
@@ -213,17 +230,22 @@ class EngineStep:
         hit[ci[gi]] = True
         return hit
 
-    def _propose(self, proposals, tok, rows, s, n, sidx, k):
+    def _propose(self, proposals, tok, rows, s, n, sidx, k, price=0.0):
         store, W = self.store, self.store.W
         own = store.own_k[s]
         want = np.where(own > 0, np.minimum(own, k), k)
-        plen = np.clip(np.minimum(want, store.L[s] - n), 0, None)
         attached = sidx > 0
+        # What the draft has for each row (its coverage), and what is worth
+        # verifying of it (`cap`): the proposal is the shorter.
+        have = np.clip(np.minimum(want, store.L[s] - n), 0, None)
         # A row whose output is complete is finishing (vLLM proposes for it in
         # the step that ends it): not a step that drafts could help or that is
         # worth waiting for.
         finishing = (store.end[s] > 0) & (n >= store.end[s])
-        plen[~attached | finishing] = 0
+        have[~attached | finishing] = 0
+        cap = self._worth(s, sidx, want, price) if price > 0.0 else want
+        store.cap[s] = cap
+        plen = np.minimum(have, cap)
         width = int(plen.max())
         if width:
             drafted = store.ring[s[:, None], (n[:, None] + np.arange(width)) & (W - 1)]
@@ -233,8 +255,9 @@ class EngineStep:
                                           plen[got].tolist()):
                 proposals[row] = tokens[:count] if count < width else tokens
         noted = attached & ~finishing
+        store.steps[s[noted]] += 1
         outcome = store.outcome[s]
-        covered = plen > 0
+        covered = have > 0
         for code, name in _OUTCOMES:
             m = noted & (outcome == code)
             self._add(f"steps_after_{name}", sidx, m)
@@ -242,12 +265,13 @@ class EngineStep:
         # The draft is drafting for these rows but nothing is here (it has not
         # heard of the rejection yet, or fell behind): the bounded wait may
         # hold the step for them.
-        waiting = noted & ~covered & ((outcome == st.REJECTED) | (outcome == st.ACCEPTED))
+        waiting = noted & ~covered & (cap > 0) & ((outcome == st.REJECTED)
+                                                   | (outcome == st.ACCEPTED))
         self._add("wait_rows", sidx, waiting)
         key_of = self._key_of
         self.misses = [(row, key_of[slot]) for row, slot in
                        zip(rows[waiting].tolist(), s[waiting].tolist())]
-        self.stats.rows_with_proposals += int(covered.sum())
+        self.stats.rows_with_proposals += int(np.count_nonzero(plen))
         self.stats.proposed_tokens += int(plen.sum())
         ns = s[noted]
         store.uncovered[ns] = np.where(covered[noted], 0, store.uncovered[ns] + 1)
@@ -274,6 +298,22 @@ class EngineStep:
             store.reported[s[ui]] = n[ui]
         return proposals, verified
 
+    def _worth(self, s, sidx, want, price) -> np.ndarray:
+        """The drafted tokens worth verifying per row at this `price`
+        (`policy.row_k`), by each request's own acceptance so far, its
+        draft stream's over its first PRIOR_TRIALS trials. A row held at 0
+        tries one token every PROBE_EVERY steps, so its α keeps being measured."""
+        prior = np.ones(len(self._streams))  # nothing measured: propose (and measure)
+        for i, stream in enumerate(self._streams):
+            stats = self.stream_stats.get(stream)
+            if stats is not None and stats.alpha is not None:
+                prior[i] = stats.alpha
+        store = self.store
+        alpha = (store.accepted[s] + PRIOR_TRIALS * prior[sidx]) / (store.trials[s] + PRIOR_TRIALS)
+        cap = policy.row_k(alpha, want, price)
+        probe = (cap == 0) & (store.steps[s] % PROBE_EVERY == 0)
+        return np.where(probe, np.minimum(want, 1), cap)
+
     def refill(self, lengths: Sequence[int], k: int) -> dict[int, list[int]]:
         """Proposals for the rows of the last propose()'s misses whose drafts
         have arrived since (the bounded wait); {row: tokens}. lengths[i]: row
@@ -289,7 +329,7 @@ class EngineStep:
             s = entry.slot
             if store.V[s] != n or store.L[s] <= n:
                 continue
-            kk = min(k, entry.k) if entry.k else k
+            kk = min(k, int(store.cap[s]))
             tokens = store.read(s, n, min(int(store.L[s]), n + kk)).tolist()
             out[i] = tokens
             store.uncovered[s] = 0

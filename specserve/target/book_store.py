@@ -4,10 +4,10 @@ Owns the arrays one engine step reads and writes for all its rows at once
 (numpy, no Python loop per row): per slot (one registered request) its
 verified length V, the length L of its speculative sequence S, where its
 verified updates resume, its last proposal, how its last verify step ended,
-its own K and end, the stream it is attached to; the tail of S in a ring of W
-positions (position p lives at column p mod W, so S[L - W : L] is held: the
-drafts past V and the verified tokens just before them); and its branches
-(fork position, tokens) in fixed-size tables.
+its own K and end, its own acceptance so far, the stream it is attached to;
+the tail of S in a ring of W positions (position p lives at column p mod W,
+so S[L - W : L] is held: the drafts past V and the verified tokens just
+before them); and its branches (fork position, tokens) in fixed-size tables.
 
 Pure: no threads, no gRPC, no vLLM; the book (specserve/target/book.py) decides
 what to write. Memory is fixed at construction: slots x (W + branches x
@@ -50,6 +50,12 @@ class SlotStore:
         # draft is done only while this equals L
         self.done = np.full(c, -1, np.int64)
         self.own_k = np.zeros(c, np.int64)  # its own K (0: the step's)
+        # its proposals' verify outcomes so far (its own α: accepted / trials),
+        # the steps that verified or skipped one, and the K it got last step
+        self.accepted = np.zeros(c, np.int64)
+        self.trials = np.zeros(c, np.int64)
+        self.steps = np.zeros(c, np.int64)
+        self.cap = np.zeros(c, np.int64)
         self.end = np.zeros(c, np.int64)  # where its output ends (0: unknown)
         self.stream = np.zeros(c, np.int32)  # the attached stream's index (0: none)
         self.ring = np.zeros((c, self.W), np.int32)  # S[p] at column p % W
@@ -73,6 +79,7 @@ class SlotStore:
         self.last_start[s], self.last_len[s] = -1, 0
         self.outcome[s], self.uncovered[s], self.done[s] = FIRST, 0, -1
         self.own_k[s], self.end[s], self.stream[s] = k, end, 0
+        self.accepted[s] = self.trials[s] = self.steps[s] = self.cap[s] = 0
         self.write(s, max(0, n - self.W), prompt[max(0, n - self.W):])
         self.drop_branches(s)
         return s

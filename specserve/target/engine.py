@@ -177,7 +177,7 @@ class TargetEngine:
               cpus: str | None = None, distributed_executor_backend: str | None = None,
               speculative_config: dict | None = None,
               max_wait_ms: float = 0.0, release_after_steps: int = 0,
-              max_stream_messages_per_s: int = 2000,
+              max_stream_messages_per_s: int = 2000, per_request_k: bool = True,
               engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 
@@ -192,6 +192,8 @@ class TargetEngine:
           many steps in a row without any (SpeculationConfig.release_after_steps).
         max_stream_messages_per_s: a draft stream sending more is cut off
           (SpeculationConfig.max_stream_messages_per_s).
+        per_request_k: the sink proposes per request only the drafted tokens
+          that pay (SpeculationConfig.per_request_k).
         engine_metrics: also export vLLM's own engine metrics (vllm:* as
           ray_vllm_*, spec-decode counters included) through Ray's metrics
           agent, as Ray Serve LLM does (Serve replicas only: it needs Ray).
@@ -219,7 +221,7 @@ class TargetEngine:
             env.update(SinkSettings(sink_bind, str(port_file), max_wait_ms=max_wait_ms,
                                     release_after_steps=release_after_steps,
                                     max_stream_messages_per_s=max_stream_messages_per_s,
-                                    tls=tls).to_env())
+                                    per_request_k=per_request_k, tls=tls).to_env())
             extra["speculative_config"] = proposer.speculative_config(
                 k, os.environ.get(ENV_PROPOSER_CLASS) or proposer.CLASS_PATH)
             # The engine client registers requests with the sink through it.

@@ -86,6 +86,7 @@ class RemoteDraftProposer:
             max_wait_s=settings.max_wait_ms / 1000.0,
             release_after=settings.release_after_steps,
             max_stream_messages_per_s=settings.max_stream_messages_per_s,
+            per_request_k=settings.per_request_k,
         )
         port = sink.start(settings.address, tls=settings.tls)
         if settings.port_file:

@@ -122,9 +122,13 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         max_branch_len: int = 16,
         release_after: int = 0,
         max_stream_messages_per_s: float = 0.0,
+        per_request_k: bool = False,
     ):
-        """max_stream_messages_per_s: a stream sending more is cut off (0: no bound)."""
+        """max_stream_messages_per_s: a stream sending more is cut off (0: no bound).
+        per_request_k: propose per request only the drafted tokens that pay at
+        the measured step cost (`price`)."""
         self.max_stream_messages_per_s = max_stream_messages_per_s
+        self.per_request_k = per_request_k
         self._book = DraftBook(
             vocab_size,
             max_requests=max_requests,
@@ -141,6 +145,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         # wait, and one drafted token after a rejection (verified update sent ->
         # fresh drafts in the book, per token). None until measured.
         self._step_s: float | None = None
+        self._emitted: float | None = None  # tokens the rows gain per step
         self._draft_token_s: float | None = None
         # verified update out -> first fresh drafts, the latest round trips
         self._round_trips: collections.deque = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
@@ -209,7 +214,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     if self._cost is None or self._cost_steps % COST_REFIT == 0:
                         self._cost = self._cost_fit.cost()  # (not every step: the engine waits)
             proposals, verified = self._book.propose_rows(tok, lengths, k, max_advance=k + 1,
-                                                          active=active, keys=keys)
+                                                          active=active, keys=keys,
+                                                          price=self.price())
+            if self._last_propose is not None and start - self._last_propose < 2.0:
+                self._emitted = _ewma(self._emitted, self._book.emitted)
             misses = list(self._book.misses)
             streams = dict(self._streams)
             for _, key in misses:
@@ -254,6 +262,17 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             self._last_step = (nrows,
                                sum(1 for a in active if a) + sum(len(p) for p in proposals))
         return proposals
+
+    def price(self) -> float:
+        """What one more verified token costs the batch, in tokens it emits:
+        the measured cost per token (s) times the batch's output rate (tokens
+        per step / seconds per step). 0 (every row gets its K) until measured
+        or with per_request_k off. A drafted token is proposed only where its
+        chance of acceptance beats this (`policy.row_k`)."""
+        if not self.per_request_k or self._cost is None or not self._step_s \
+                or not self._emitted:
+            return 0.0
+        return policy.token_cost(self._cost) * self._emitted / self._step_s
 
     def wait_bound(self, rows: int, waiting_rows: int, k: int) -> float:
         """Seconds to hold this step for fresh drafts (the rate model's bound)."""

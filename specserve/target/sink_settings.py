@@ -30,6 +30,8 @@ class SinkSettings:
     release_after_steps: int = 0
     # one draft stream's messages per second at most (SpeculationConfig's)
     max_stream_messages_per_s: int = 2000
+    # propose per request only the drafted tokens that pay (SpeculationConfig's)
+    per_request_k: bool = True
     tls: TlsFiles | None = None  # mutual TLS on the sink
 
     def to_env(self) -> dict[str, str]:

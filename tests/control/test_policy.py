@@ -2,7 +2,10 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
+
+from specserve.control import policy
 
 from specserve.control.policy import (
     PoolView, Thresholds, StepCost, choose, choose_k, expected_tokens, is_fresh,
@@ -254,3 +257,31 @@ def test_wait_bound_uses_the_measured_cost_of_a_verified_token():
     assert wait_bound(**{**args, "waiting_rows": 1}, cost=StepCost(0.1, 0.004)) == 0.002
     # A verify step where every token costs as much as a whole row's step: no.
     assert wait_bound(**args, cost=StepCost(0.0, 0.03)) == 0.0
+
+
+def test_row_k_is_the_marginal_rule_of_the_rate_model():
+    """A drafted token pays on one row of a batch exactly when its chance of
+    acceptance beats price = b x the batch's output rate: check row_k against
+    the batch's predicted rate, token by token, and at its edges."""
+    a, b, rows = 0.020, 0.0004, 8  # seconds; a CPU-like step at C = 8
+    for alpha in (0.1, 0.3, 0.5, 0.8, 0.95):
+        for others_k in (0, 2):
+            # the other rows' tokens and emitted tokens per step
+            tokens = (rows - 1) * (1 + others_k)
+            emitted = (rows - 1) * policy.expected_tokens(alpha, others_k)
+            k = int(policy.row_k(np.array([alpha]), np.array([4]),
+                                 b * (emitted + 1) / (a + b * (tokens + 1)))[0])
+
+            def rate(j):  # this row drafting j, priced at its K = 0 batch
+                return ((emitted + policy.expected_tokens(alpha, j))
+                        / (a + b * (tokens + 1 + j)))
+            # each token up to k raised the rate, the next would not have
+            assert all(rate(j) > rate(j - 1) for j in range(1, k + 1)), (alpha, k)
+            assert k == 4 or rate(k + 1) <= rate(k), (alpha, k)
+    got = policy.row_k(np.array([0.0, 0.5, 0.5, 1.0, 0.9]), np.array([4, 4, 2, 3, 4]), 0.25)
+    assert got.tolist() == [0, 1, 1, 3, 4]  # 0.5^2 = 0.25 is not above it; 0.9^4 = 0.66
+    assert policy.row_k(np.array([0.5]), np.array([4]), 0.0).tolist() == [4]  # no price: K
+    assert policy.row_k(np.array([1.0]), np.array([4]), 1.0).tolist() == [0]  # nothing pays
+    # b as every policy counts it: floored at V_IDLE of a one-row step
+    assert policy.token_cost(policy.StepCost(0.019, 0.0)) == pytest.approx(0.001)
+    assert policy.token_cost(policy.StepCost(0.019, 0.002)) == 0.002

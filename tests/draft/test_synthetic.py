@@ -181,10 +181,16 @@ def test_acceptance_is_alpha_and_output_is_target_only(tiny_models):
     target = str(tiny_models["target"])
     tok = AutoTokenizer.from_pretrained(target)
 
+    from specserve.config import SpeculationConfig
+
     async def run():
         settings = EngineSettings(dtype="float32", kv_cache_gib=1)
+        # Every step proposes the full K: vLLM's per-position counters, from
+        # which alpha is read here, cannot tell a shorter window from a
+        # rejection (per_request_k would shorten them where they do not pay).
+        spec_config = SpeculationConfig(num_speculative_tokens=4, per_request_k=False)
         async with LocalSpec(target, f"synthetic:{ALPHA}", k=4, lookahead=8,
-                             settings=settings) as spec:
+                             settings=settings, speculation=spec_config) as spec:
             outs = await run_prompts(spec, tok, PROMPTS, sampling_params(TOKENS, 0.0, True))
             return outs, spec.totals
 

@@ -653,3 +653,45 @@ def test_a_draft_that_says_it_has_nothing_more_ends_the_wait_for_that_history_on
     assert done(7, []) == 0 and b.answered(key, K)
     b.detach(key)  # a draft that attaches again has said nothing yet
     assert not b.answered(key, K)
+
+
+def test_a_request_whose_drafts_fail_stops_costing_its_batch_but_probes():
+    """With a price (policy.row_k), each request gets the drafted tokens its
+    own acceptance says pay: one whose drafts are always rejected falls to
+    none after its first step and tries one token every PROBE_EVERY steps, is
+    never waited for nor given up as draftless; one whose drafts are always
+    accepted keeps its K. Without a price both get K. (Each request's α
+    starts as its stream's: here each has a stream of its own.)"""
+    from specserve.target.book_step import PROBE_EVERY
+
+    def run(price):
+        b = book(release_after=3)
+        bad, good = ("s1", "bad"), ("s2", "good")  # two drafts: their own priors
+        b.open(bad, [1, 2])
+        b.open(good, [1, 3])
+        hb, hg = [1, 2, 9], [1, 3, 9]
+        lens, misses = [], 0
+        # A draft that hears each step in time: it drafts on from the target's
+        # token; `bad`'s drafts the target never takes, `good`'s always.
+        b.extend(bad, 2, [9, 50, 51, 52, 53])
+        b.extend(good, 2, [9, 60, 61, 62, 63])
+        for step in range(2 * PROBE_EVERY + 1):
+            props, _ = b.propose([h(*hb), h(*hg)], 4, 5, keys=[bad, good], price=price)
+            lens.append((len(props[0]), len(props[1])))
+            misses += len(b.misses)
+            hb.append(10 + step % 5)  # a rejection: the target's own token
+            b.extend(bad, len(hb) - 1, [hb[-1], 50, 51, 52, 53])
+            hg.extend(props[1] + [70])  # all accepted, and the bonus
+            b.extend(good, len(hg) - 1, [70, 60, 61, 62, 63])
+        return b, lens, misses
+
+    b, lens, misses = run(0.2)
+    probes = [4] + ([0] * (PROBE_EVERY - 1) + [1]) * 2
+    assert [bad for bad, _ in lens] == probes
+    assert all(good == 4 for _, good in lens)
+    assert misses == 0 and b.stats.released == 0
+    # Coverage counts what the draft had, not what was worth proposing.
+    assert b.stats.steps_after_rejected == b.stats.covered_after_rejected > 0
+    b0, lens0, _ = run(0.0)
+    assert all(pair == (4, 4) for pair in lens0)
+    assert b.stats.proposed_tokens < b0.stats.proposed_tokens

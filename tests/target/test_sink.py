@@ -521,6 +521,33 @@ def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
     assert abs(sink._cost.fixed - a) < 1e-9 and abs(sink._cost.per_token - b) < 1e-9
 
 
+def test_the_price_of_a_drafted_token_is_its_measured_cost_times_the_output_rate(monkeypatch):
+    """per_request_k: the sink prices a drafted token (policy.row_k) at the
+    fitted cost per token times the tokens its rows emit per second; 0 (every
+    row its K) until the cost is fitted, and always with per_request_k off."""
+    import types
+
+    import specserve.target.sink as sink_module
+    from specserve.control.stepcost import MIN_STEPS
+
+    now = [100.0]
+    monkeypatch.setattr(sink_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    a, b = 0.02, 0.002
+    for on in (True, False):
+        sink = DraftSink(vocab_size=100, per_request_k=on)
+        prices = []
+        for count in [4] * 10 + [8] * 20:  # two batch sizes, so b can be fitted
+            now[0] += a + b * count
+            sink.propose(*rows(*[h(1, 2, 3)] * count), [True] * count, k=3)
+            prices.append(sink.price())
+        assert prices[:MIN_STEPS] == [0.0] * MIN_STEPS
+        if on:
+            # 8 rows of one token each per a + 8 b seconds (unknown rows: no drafts)
+            assert prices[-1] == pytest.approx(b * 8 / (a + 8 * b), rel=1e-2)  # (EWMAs)
+        else:
+            assert prices[-1] == 0.0
+
+
 def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
     sink = DraftSink(vocab_size=100, max_pending=16, max_wait_s=0.08)
     sink.start("127.0.0.1:0")

@@ -83,7 +83,10 @@ def build_proposer(plan: Plan, max_model_len: int):
                                            max_model_len=max_model_len))
     env = SinkSettings("127.0.0.1:0", max_pending=SINK_MAX_PENDING,
                        max_wait_ms=plan.max_wait_ms,
-                       max_stream_messages_per_s=MAX_STREAM_MESSAGES_PER_S).to_env()
+                       max_stream_messages_per_s=MAX_STREAM_MESSAGES_PER_S,
+                       # every row proposes its K, so the plane carries what the
+                       # cells name (the emulated step's cost does not vary)
+                       per_request_k=False).to_env()
     saved = {SINK_ENV: os.environ.get(SINK_ENV)}
     os.environ.update(env)
     try:
