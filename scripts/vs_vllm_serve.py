@@ -14,6 +14,9 @@ process: its parser built with `add_cli_args`, then `main`. Its spec_bench
 loader needs pandas (in the bench extra: `make install` has it).
 
     python scripts/vs_vllm_serve.py --num-prompts 8 --output-len 64 --concurrency 1 4
+
+`--config FILE` runs specserve with that config instead (an A/B of one
+setting: the other systems' results can be reused with `--only specserve`).
 """
 
 from __future__ import annotations

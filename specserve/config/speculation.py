@@ -76,13 +76,14 @@ class SpeculationConfig(_Strict):
                     "0 (the default): never; on the CPU bench it did not pay beyond noise "
                     "(docs/benchmarks.md).")
     per_request_k: bool = Field(
-        True,
+        False,
         description="The target proposes, per request and step, only the drafted tokens "
                     "whose chance of acceptance (that request's own so far) beats what one "
                     "more verified token costs the batch: its measured cost per token times "
                     "the batch's output rate (specserve.control.policy.row_k). A request "
                     "whose drafts are seldom accepted then costs its batch little at once, "
-                    "before the router has figures. False: every request gets the K the "
+                    "before the router has figures. False (the default: on this CPU it "
+                    "measured no gain, docs/benchmarks.md): every request gets the K the "
                     "router gave it.")
     max_wait_ms: float = Field(
         50.0, ge=0.0, le=250.0,

@@ -27,7 +27,9 @@ from specserve.target.book_stats import ACCEPTED, DRAFTLESS, REJECTED
 # A request's α starts as its draft stream's, worth this many trials of its own.
 PRIOR_TRIALS = 4
 # A row whose α says no drafts pay still tries one token this often (steps).
-PROBE_EVERY = 8
+PROBE_EVERY = 4
+# A request's α weighs each verify step's outcome this much less per later step.
+RECENT = 0.7
 
 _OUTCOMES = ((st.ACCEPTED, ACCEPTED), (st.REJECTED, REJECTED), (st.DRAFTLESS, DRAFTLESS))
 
@@ -139,8 +141,9 @@ class EngineStep:
             self._add("accepted_tokens", sidx[ji], np.where(tried, accepted, 0))
             trials = np.where(tried, np.minimum(accepted + 1, jlen), 0)
             self._add("alpha_trials", sidx[ji], trials)
-            store.accepted[js] += np.where(tried, accepted, 0)
-            store.trials[js] += trials
+            t = js[tried]  # recent outcomes weigh more: text turns repetitive and back
+            store.accepted[t] = RECENT * store.accepted[t] + accepted[tried]
+            store.trials[t] = RECENT * store.trials[t] + trials[tried]
             rejected = tried & (accepted < jlen) & (matched == accepted)
             store.outcome[js[tried & rejected]] = st.REJECTED
             store.outcome[js[tried & ~rejected]] = st.ACCEPTED
@@ -300,8 +303,8 @@ class EngineStep:
 
     def _worth(self, s, sidx, want, price) -> np.ndarray:
         """The drafted tokens worth verifying per row at this `price`
-        (`policy.row_k`), by each request's own acceptance so far, its
-        draft stream's over its first PRIOR_TRIALS trials. A row held at 0
+        (`policy.row_k`), by each request's own recent acceptance (RECENT),
+        its draft stream's over its first PRIOR_TRIALS trials. A row held at 0
         tries one token every PROBE_EVERY steps, so its α keeps being measured."""
         prior = np.ones(len(self._streams))  # nothing measured: propose (and measure)
         for i, stream in enumerate(self._streams):

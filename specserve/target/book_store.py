@@ -50,10 +50,11 @@ class SlotStore:
         # draft is done only while this equals L
         self.done = np.full(c, -1, np.int64)
         self.own_k = np.zeros(c, np.int64)  # its own K (0: the step's)
-        # its proposals' verify outcomes so far (its own α: accepted / trials),
-        # the steps that verified or skipped one, and the K it got last step
-        self.accepted = np.zeros(c, np.int64)
-        self.trials = np.zeros(c, np.int64)
+        # its proposals' recent verify outcomes (its own α: accepted / trials,
+        # each step's weighing RECENT of the one before), the steps that
+        # verified or skipped one, and the K it got last step
+        self.accepted = np.zeros(c, np.float64)
+        self.trials = np.zeros(c, np.float64)
         self.steps = np.zeros(c, np.int64)
         self.cap = np.zeros(c, np.int64)
         self.end = np.zeros(c, np.int64)  # where its output ends (0: unknown)

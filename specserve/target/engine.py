@@ -177,7 +177,7 @@ class TargetEngine:
               cpus: str | None = None, distributed_executor_backend: str | None = None,
               speculative_config: dict | None = None,
               max_wait_ms: float = 0.0, release_after_steps: int = 0,
-              max_stream_messages_per_s: int = 2000, per_request_k: bool = True,
+              max_stream_messages_per_s: int = 2000, per_request_k: bool = False,
               engine_metrics: bool = False) -> "TargetEngine":
         """Start a target engine (blocks while vLLM loads).
 

@@ -31,7 +31,7 @@ class SinkSettings:
     # one draft stream's messages per second at most (SpeculationConfig's)
     max_stream_messages_per_s: int = 2000
     # propose per request only the drafted tokens that pay (SpeculationConfig's)
-    per_request_k: bool = True
+    per_request_k: bool = False
     tls: TlsFiles | None = None  # mutual TLS on the sink
 
     def to_env(self) -> dict[str, str]:
