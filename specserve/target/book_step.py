@@ -6,8 +6,8 @@ stage, over all rows at once.
 rejected or draftless, counted exactly), move its verified position over the
 tokens it gained (`_advance`; a rejection takes a matching branch,
 `_take_branches`, or restarts S from the row), then propose the next drafted
-tokens, as many as the request's own acceptance says pay at the step's price
-(`_worth`), and hand out the verified ones (`_propose`). `refill` serves the
+tokens (with a price, only as many as the request's own recent acceptance
+says pay: `_worth`) and hand out the verified ones (`_propose`). `refill` serves the
 bounded wait. Pure: numpy over the store's arrays
 (`specserve.target.book_store`), no Python loop per row but building the
 proposal lists vLLM wants.

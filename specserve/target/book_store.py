@@ -4,7 +4,7 @@ Owns the arrays one engine step reads and writes for all its rows at once
 (numpy, no Python loop per row): per slot (one registered request) its
 verified length V, the length L of its speculative sequence S, where its
 verified updates resume, its last proposal, how its last verify step ended,
-its own K and end, its own acceptance so far, the stream it is attached to;
+its own K and end, its own recent acceptance, the stream it is attached to;
 the tail of S in a ring of W positions (position p lives at column p mod W,
 so S[L - W : L] is held: the drafts past V and the verified tokens just
 before them); and its branches (fork position, tokens) in fixed-size tables.
