@@ -19,13 +19,9 @@ import time
 from specserve.acceptance.stats import SpecStats
 from specserve.config import AppConfig
 from specserve.control import policy
-from specserve.control.controller import KController
+from specserve.control.controller import COST_REFRESH_S, KController
 
 log = logging.getLogger("specserve.router")
-
-# How old the router's copy of the target's measured step cost may get.
-COST_REFRESH_S = 2.0
-
 
 class DraftChoice:
     def __init__(self, config: AppConfig, target, draft_names: list[str], stats: SpecStats):

@@ -235,33 +235,22 @@ class TargetServer:
                 "unfinished_requests": self.engine.get_num_unfinished_requests(),
                 "running": t.running,
                 # measured decode step cost, None until enough steps were seen
-                "step_cost": self.step_costs.as_dict(),
+                # (the sink's, refreshed with the branch counters, else vLLM's)
+                "step_cost": self.target.step_cost(),
                 # this replica's draft replica choices, by pool and reason
                 "draft_routing": _draft_tallies()}
 
     async def branch_counters(self) -> dict:
         """The sink's draft-book counters per draft ("model/replica"): branches,
-        coverage after each outcome, the bounded wait (specserve.acceptance.branches)."""
-        if self.sink_address is None:
-            return {}
+        coverage after each outcome, the bounded wait (specserve.acceptance.branches).
+        Also refreshes the sink's step cost fit (spec_totals)."""
         import grpc
 
-        from specserve.wire import channel_factory
-        from specserve.tls import TlsFiles
-        from specserve.v1 import spec_pb2, spec_pb2_grpc
-
-        port = self.sink_address.rsplit(":", 1)[1]
-        channel = channel_factory(TlsFiles.from_config(self.config.grpc_tls))(f"127.0.0.1:{port}")
         try:
-            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
-                                                                   timeout=10)
+            return await self.target.sink_stats()
         except grpc.aio.AioRpcError as e:
             log.warning("sink stats unavailable: %s", e.code().name)
             return {}
-        finally:
-            await channel.close()
-        return {d.draft: {**dict(d.counters), "waits": d.waits, "wait_seconds": d.wait_seconds,
-                          "steps": d.steps} for d in msg.drafts}
 
     async def metrics_report(self, fresh: bool = True) -> dict:
         """This replica's figures for the router's /metrics

@@ -28,15 +28,16 @@ import dataclasses
 import logging
 import os
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 from specserve.acceptance.record import Acceptance, Figures
 from specserve.config import lookahead_problem, lookahead_tokens
+from specserve.control.controller import COST_REFRESH_S
 from specserve.engine import EngineSettings, cpu_binding
 from specserve.target.drafting import DraftStream, FollowedDraft, NoDraft
 from specserve.target.engine import SpecTotals, TargetEngine
-from specserve.v1 import spec_pb2, spec_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class LocalSpec:
             from specserve.control.policy import Thresholds
 
             self.controller = KController(self.k, {DRAFT_POOL: 1}, thresholds or Thresholds())
+        self._cost_at = float("-inf")  # when the sink's step cost was last asked for
+        self._cost_task: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -210,19 +213,27 @@ class LocalSpec:
 
     async def sink_figures(self) -> dict[str, dict]:
         """The target sink's counters per draft (DraftSink.Stats), {} without a sink."""
-        if self.sink_address is None:
-            return {}
-        from specserve.wire import channel_factory
+        return await self.target_engine.sink_stats()
 
-        channel = channel_factory(self.tls)(self.sink_address)
+    def _step_cost(self):
+        """The target's step cost for the K controller (TargetEngine.step_cost),
+        the sink's fit asked for in the background at most every COST_REFRESH_S,
+        as the Serve router does (deployments.choice)."""
+        from specserve.control.policy import StepCost
+
+        now = time.monotonic()
+        if now - self._cost_at >= COST_REFRESH_S and (
+                self._cost_task is None or self._cost_task.done()):
+            self._cost_at = now
+            self._cost_task = asyncio.get_running_loop().create_task(self._refresh_cost())
+        cost = self.target_engine.step_cost()
+        return None if cost is None else StepCost(cost["fixed_s"], cost["per_token_s"])
+
+    async def _refresh_cost(self) -> None:
         try:
-            msg = await spec_pb2_grpc.DraftSinkStub(channel).Stats(spec_pb2.StatsRequest(),
-                                                                   timeout=10)
-        finally:
-            await channel.close()
-        return {d.draft: {**dict(d.counters), "waits": d.waits,
-                          "wait_seconds": d.wait_seconds, "steps": d.steps}
-                for d in msg.drafts}
+            await self.target_engine.sink_stats()
+        except Exception as e:  # the last figures stay
+            log.warning("sink step cost unavailable: %s", e)
 
     # ---- requests ---------------------------------------------------------------
 
@@ -238,7 +249,7 @@ class LocalSpec:
             choice = self.controller.choose(
                 {DRAFT_POOL: self.figures}, {DRAFT_POOL: running},
                 load=min(running / self.settings.max_num_seqs, 1.0),
-                cost=self.target_engine.step_costs.cost(), rows=running + 1)
+                cost=self._step_cost(), rows=running + 1)
             k = choice.k
         from vllm.inputs import TokensPrompt
 

@@ -24,6 +24,10 @@ from specserve.control import policy
 
 log = logging.getLogger(__name__)
 
+# How old a caller's copy of the target's measured step cost may get (the
+# router's and LocalSpec's: both refresh it in the background, no request waits).
+COST_REFRESH_S = 2.0
+
 
 class KController:
     def __init__(self, k_max: int, pools: dict[str, int],

@@ -349,8 +349,19 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 out[stream.name][0].add(st)
             return out
 
+    def step_cost(self) -> dict | None:
+        """The verify step's cost fitted over steady steps, measured from one
+        propose() to the next ({"fixed_s", "per_token_s", "steps"}; None until
+        enough steps): the time the engine's step takes, and the tokens it
+        verified. The K controller's cost (deployments.target.spec_totals)."""
+        with self._lock:
+            return self._cost_fit.as_dict()
+
     def Stats(self, request, context) -> spec_pb2.SinkStats:
         msg = spec_pb2.SinkStats()
+        cost = self.step_cost()
+        if cost is not None:
+            msg.step_cost.CopyFrom(spec_pb2.StepCostFit(**cost))
         for name, (st, w) in sorted(self.figures().items()):
             d = msg.drafts.add(draft=name, waits=w.waits, wait_seconds=w.wait_seconds,
                                steps=w.steps)

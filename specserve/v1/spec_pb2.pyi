@@ -123,10 +123,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SinkStats(_message.Message):
-    __slots__ = ("drafts",)
+    __slots__ = ("drafts", "step_cost")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_COST_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedCompositeFieldContainer[DraftFigures]
-    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftFigures, _Mapping]]] = ...) -> None: ...
+    step_cost: StepCostFit
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftFigures, _Mapping]]] = ..., step_cost: _Optional[_Union[StepCostFit, _Mapping]] = ...) -> None: ...
+
+class StepCostFit(_message.Message):
+    __slots__ = ("fixed_s", "per_token_s", "steps")
+    FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    fixed_s: float
+    per_token_s: float
+    steps: int
+    def __init__(self, fixed_s: _Optional[float] = ..., per_token_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class DraftFigures(_message.Message):
     __slots__ = ("draft", "counters", "waits", "wait_seconds", "steps")

@@ -519,6 +519,12 @@ def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
     assert abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
     # What the wait prices with: the fit, redone every 16 steady steps.
     assert abs(sink._cost.fixed - a) < 1e-9 and abs(sink._cost.per_token - b) < 1e-9
+    # What the K controller decides with: the fit, in the sink's Stats answer
+    # (none before enough steady steps).
+    cost = sink.Stats(spec_pb2.StatsRequest(), None).step_cost
+    assert cost.steps == 22
+    assert cost.fixed_s == pytest.approx(a) and cost.per_token_s == pytest.approx(b)
+    assert not DraftSink(vocab_size=100).Stats(spec_pb2.StatsRequest(), None).HasField("step_cost")
 
 
 def test_the_price_of_a_drafted_token_is_its_measured_cost_times_the_output_rate(monkeypatch):
@@ -747,3 +753,27 @@ def test_a_links_done_goes_out_whole_and_not_after_a_window_from_further_on():
     assert batches[0] == pack_drafts({"a": (5, [6, 7], [])})
     assert batches[1] == pack_drafts({"a": (5, [6, 7], []), "b": (9, [], [])}, {"a", "b"})
     assert batches[2] == pack_drafts({"c": (4, [8], [])}, set())
+
+
+def test_the_k_controller_decides_with_the_sinks_step_cost_once_it_has_one(sink):
+    """TargetEngine.step_cost: vLLM's step records until the sink answers with
+    its fit (timed inside the step), then the sink's; its counters come along."""
+    import asyncio
+
+    from specserve.control.stepcost import StepCostFit
+    from specserve.target.engine import SpecTotals, TargetEngine
+
+    engine_fit = StepCostFit()
+    for tokens in range(1, 21):  # vLLM's records: 0.06 s + 0.001 s per token
+        engine_fit.add(tokens, 0.06 + 0.001 * tokens)
+    target = TargetEngine(None, SpecTotals(), engine_fit, f"127.0.0.1:{sink.port}", [], 4)
+    assert target.step_cost()["source"] == "engine"
+    assert target.step_cost()["per_token_s"] == pytest.approx(0.001)
+    assert asyncio.run(target.sink_stats()) == {}  # no draft yet, no fit yet
+    assert target.step_cost()["source"] == "engine"
+    for tokens in range(1, 21):  # the sink's: 0.01 s + 0.004 s per token
+        sink._cost_fit.add(tokens, 0.01 + 0.004 * tokens)
+    asyncio.run(target.sink_stats())
+    cost = target.step_cost()
+    assert cost["source"] == "sink" and cost["steps"] == 20
+    assert cost["fixed_s"] == pytest.approx(0.01) and cost["per_token_s"] == pytest.approx(0.004)
