@@ -206,8 +206,6 @@ class LocalSpec:
 
     async def aclose(self) -> None:
         await self.stop_draft()
-        if self._cost_task is not None and not self._cost_task.done():
-            self._cost_task.cancel()
         if self.target_engine is not None:
             self.target_engine.shutdown()
             self.target_engine = self.engine = None
@@ -228,7 +226,8 @@ class LocalSpec:
                 self._cost_task is None or self._cost_task.done()):
             self._cost_at = now
             self._cost_task = asyncio.get_running_loop().create_task(self._refresh_cost())
-        return StepCost.from_figures(self.target_engine.step_cost())
+        cost = self.target_engine.step_cost()
+        return None if cost is None else StepCost(cost["fixed_s"], cost["per_token_s"])
 
     async def _refresh_cost(self) -> None:
         try:

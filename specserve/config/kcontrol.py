@@ -32,13 +32,6 @@ class KControlConfig(_Strict):
     margin: float = Field(
         0.03, ge=0, description="With measured step costs, speculate only when the predicted "
                                 "rate beats K=0 by this share (0.03: 3 %).")
-    measure_alone_below: float = Field(
-        1.5, ge=1.0, description="Until the target's step cost with no draft attached is "
-                                 "measured, a pool predicted to speed it up by less than this "
-                                 "factor (against its step while drafting, which the drafting's "
-                                 "own work slows where it shares the target's cores) gets no "
-                                 "requests with drafts: the target runs alone until it is. 1: "
-                                 "never wait for it.")
 
     def thresholds(self):
         from specserve.control.policy import Thresholds
@@ -46,7 +39,7 @@ class KControlConfig(_Strict):
         return Thresholds(min_drafted_tokens=self.min_drafted_tokens,
                           min_requests=self.min_requests, min_steps=self.min_steps,
                           probe_every=self.probe_every, max_probe_every=self.max_probe_every,
-                          margin=self.margin, measure_alone_below=self.measure_alone_below)
+                          margin=self.margin)
 
     @model_validator(mode="after")
     def _gaps(self):

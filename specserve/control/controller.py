@@ -100,10 +100,7 @@ class KController:
                 "predicted_speedup": policy.speedup(v.alpha, k, load, cost, rows, v.coverage,
                                                     v.wait_s)}
         self.inputs = {"step_cost": (None if cost is None else
-                                     {"fixed_s": cost.fixed, "per_token_s": cost.per_token,
-                                      "alone": None if cost.alone is None else
-                                      {"fixed_s": cost.alone[0],
-                                       "per_token_s": cost.alone[1]}}),
+                                     {"fixed_s": cost.fixed, "per_token_s": cost.per_token}),
                        "cost_source": "measured" if cost is not None else "modelled",
                        "modelled_verify_cost": None if cost is not None else policy.verify_cost(load),
                        "rows": rows, "load": load, "pools": per_pool}

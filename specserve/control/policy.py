@@ -18,18 +18,11 @@ per-token acceptance), the others one, so the target's output rate is
 
     rate(K) = r · (1 + cov · (E(α, K) − 1)) / (a + b · r · (1 + cov · K) + w)
 
-and speedup(K) = rate(K) / rate(0). Where the draft runs on other hardware
-its own cost does not slow the target; it only limits coverage. Where it shares
-the target's cores (a suffix pool on the target's machine, the sink's work in
-the engine's process), its work slows every step while anything is drafted:
-rate(0) is then the target alone's, r / (a0 + b0 · r), with a0 and b0 fitted
-over steps with no draft attached (`StepCost.alone`), and a pool predicted to
-gain less than `Thresholds.measure_alone_below` waits for that measurement
-(its requests go without drafts until the target has run alone).
+and speedup(K) = rate(K) / rate(0). The draft runs on other hardware, so its
+own cost does not slow the target; it only limits coverage.
 
-a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fed
-by the target's sink, which times each step inside the engine, or else by
-vLLM's step records: `specserve.target.engine.TargetEngine.step_cost`). Before they are, the model stands in: one row, and a
+a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fed with
+vLLM's step timing). Before they are, the model stands in: one row, and a
 verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
 the target is memory-bound, 1 when it is saturated): a = 1 − v, b = v, which
 gives speedup = E(α, K) / (1 + v K) at full coverage; w, in seconds, enters
@@ -65,7 +58,6 @@ class Thresholds:
     probe_every: int = 16  # a pool held at K=0 is re-measured this many requests after its last at K>0,
     max_probe_every: int = 256  # ... twice as long after each probe that did not pay, up to this
     margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
-    measure_alone_below: float = 1.5  # a smaller predicted speedup waits for the target alone's cost
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -79,23 +71,11 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """Target decode step seconds = fixed + per_token · tokens (while drafting);
-    `alone`: (a0, b0), the same with no draft attached (None: not measured)."""
+    """Target decode step seconds = fixed + per_token · tokens."""
 
     fixed: float  # a
     per_token: float  # b
     measured: bool = True  # False: modelled from load (modelled_cost)
-    alone: tuple[float, float] | None = None
-
-    @classmethod
-    def from_figures(cls, d: dict | None) -> "StepCost | None":
-        """From the target's reported `step_cost` ({"fixed_s", "per_token_s",
-        "base": {...} or None}; specserve.target.engine.TargetEngine.step_cost)."""
-        if d is None:
-            return None
-        base = d.get("base")
-        return cls(d["fixed_s"], d["per_token_s"], alone=None if base is None else
-                   (base["fixed_s"], base["per_token_s"]))
 
 
 def verify_cost(load: float, v_idle: float = V_IDLE) -> float:
@@ -160,9 +140,8 @@ def speedup(alpha: float, k: int, load: float = 0.0, cost: StepCost | None = Non
         cost, rows = modelled_cost(load), 1.0
     wait = wait_s if cost.measured else 0.0
     a, b = cost.fixed, token_cost(cost)
-    a0, b0 = cost.alone if cost.measured and cost.alone is not None else (a, b)
     return (predicted_rate(alpha, coverage, k, rows, a, b, wait)
-            / predicted_rate(alpha, coverage, 0, rows, a0, b0))
+            / predicted_rate(alpha, coverage, 0, rows, a, b))
 
 
 def choose_k(alpha: float, k_max: int, load: float = 0.0, cost: StepCost | None = None,
@@ -225,9 +204,7 @@ def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,
 def describe_cost(cost: StepCost | None, load: float, rows: float) -> str:
     if cost is None or not cost.measured:
         return f"modelled verify cost {verify_cost(load):.2f} step/token at load {load:.2f}"
-    alone = ("" if cost.alone is None else
-             f" (alone {cost.alone[0] * 1e3:.1f} ms + {cost.alone[1] * 1e3:.2f} ms/token)")
-    return (f"step {cost.fixed * 1e3:.1f} ms + {cost.per_token * 1e3:.2f} ms/token{alone}, "
+    return (f"step {cost.fixed * 1e3:.1f} ms + {cost.per_token * 1e3:.2f} ms/token, "
             f"{rows:.0f} rows")
 
 
@@ -269,12 +246,6 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
     scored = sorted(((value(p), p) for p in pools), key=lambda x: -x[0][0])
     (score, k), best = scored[0]
     how = describe_cost(cost, load, rows)
-    if k > 0 and cost is not None and cost.measured and cost.alone is None:
-        gain = speedup(best.alpha, k, load, cost, rows, best.coverage, best.wait_s)
-        if gain < th.measure_alone_below:
-            return Choice(None, 0, f"measuring the target alone before {best.name} at K={k} "
-                                   f"(predicted {gain:.2f}x against its step while drafting; "
-                                   f"{how})")
     if k > 0:
         return Choice(best.name, k, f"{best.name}: alpha {best.alpha:.2f}, "
                       f"coverage {best.coverage:.2f}, {how} -> K={k}")

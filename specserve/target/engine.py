@@ -171,10 +171,8 @@ class TargetEngine:
     procs: list
     k: int
     tls: object = None  # specserve.tls.TlsFiles of the sink's port (None: plaintext)
-    # The sink's step cost fits as its last Stats answer gave them (sink_stats):
-    # while drafting, and with no draft attached (the target alone).
+    # The sink's step cost fit as its last Stats answer gave it (sink_stats).
     sink_cost: dict | None = None
-    base_cost: dict | None = None
 
     @classmethod
     def start(cls, model: str, settings: EngineSettings, *, tp: int = 1, k: int = 0,
@@ -274,41 +272,28 @@ class TargetEngine:
                                                                    timeout=10)
         finally:
             await channel.close()
-        def fit(c) -> dict:
-            return {"fixed_s": c.fixed_s, "per_token_s": c.per_token_s, "steps": c.steps}
-
         if msg.HasField("step_cost"):
-            self.sink_cost = {**fit(msg.step_cost), "source": "sink"}
-        if msg.HasField("base_cost"):
-            self.base_cost = fit(msg.base_cost)
+            c = msg.step_cost
+            self.sink_cost = {"fixed_s": c.fixed_s, "per_token_s": c.per_token_s,
+                              "steps": c.steps, "source": "sink"}
         return {d.draft: {**dict(d.counters), "waits": d.waits,
                           "wait_seconds": d.wait_seconds, "steps": d.steps}
                 for d in msg.drafts}
 
     def step_cost(self) -> dict | None:
         """The decode step's cost for the K controller ({"fixed_s",
-        "per_token_s", "steps", "source", "base"}; None until measured).
-
-        The sink's fit where it has one (as of the last `sink_stats`): it times
-        each step inside the engine, from the end of one propose() to the next,
-        against the tokens that step verified, so the bounded wait, which the
-        rate model adds per pool (`policy.speedup`'s wait_s), is not counted
-        twice; over steps while drafts were attached. Else the stat logger's,
-        over the intervals between vLLM's step records (the wait included).
-        "base": the sink's fit over steps with no draft attached (the target
-        alone; None until seen), what speculation is judged against: where the
-        drafting shares the target's cores its own work slows every step (on
-        this 2-core machine at 8 rows, 2026-12-06: the drafting fit read
-        55 ms + 0.95 ms/token, 63 ms at 8 rows, against 47 ms per step alone)."""
-        main = self.sink_cost
-        if main is None:
-            fit = self.step_costs.as_dict()
-            main = None if fit is None else {**fit, "source": "engine"}
-        if main is None and self.base_cost is None:
-            return None
-        if main is None:
-            main = {**self.base_cost, "source": "sink"}
-        return {**main, "base": self.base_cost}
+        "per_token_s", "steps", "source"}; None until measured). The sink's fit
+        where it has one (as of the last `sink_stats`): it times each step
+        inside the engine, from the end of one propose() to the next, against
+        the tokens that step verified, so the bounded wait, which the rate
+        model adds per pool (`policy.speedup`'s wait_s), is not counted twice.
+        Else the stat logger's, over the intervals between vLLM's step records
+        (the wait included). Both read about the same cost per token here (8
+        rows, 2026-12-06: 0.95 against 0.83 ms/token)."""
+        if self.sink_cost is not None:
+            return self.sink_cost
+        fit = self.step_costs.as_dict()
+        return None if fit is None else {**fit, "source": "engine"}
 
     def shutdown(self) -> None:
         shutdown_engine(self.engine, self.procs)

@@ -153,19 +153,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         self.last_wait_s = 0.0  # the bounded wait of the last propose() (0: none)
         # The verify step's cost a + b · tokens, fitted over steady decode steps
         # (same rows, every row sampling): what one more verified token costs.
-        # Two fits: steps while drafts are attached to some request (the
-        # drafting's own work, the draft side's and this sink's, shares the
-        # machine's cores with the step where they run on one host) and steps
-        # with none attached (the target alone), which the K controller
-        # judges speculation against (TargetEngine.step_cost, policy.speedup).
         self._cost_fit = StepCostFit()
-        self._base_fit = StepCostFit()
-        # what the wait and the price use: the drafting fit (else the target
-        # alone's), redone every COST_REFIT steps
-        self._cost: policy.StepCost | None = None
+        self._cost: policy.StepCost | None = None  # the fit, redone every COST_REFIT steps
         self._cost_steps = 0
-        # (rows, tokens, drafts attached) of the step started last
-        self._last_step: tuple[int, int, bool] | None = None
+        self._last_step: tuple[int, int] | None = None  # (rows, tokens) of the step started last
         # key -> [when its miss's update went out, when the first fresh drafts came]
         self._miss_sent: dict = {}
         self._retired: dict[str, BookStats] = {}  # figures of closed streams, by draft
@@ -218,13 +209,10 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 self._step_s = _ewma(self._step_s, start - self._last_propose)
                 if self._last_step is not None and self._last_step[0] == nrows \
                         and all(active):
-                    _, tokens, drafting = self._last_step
-                    fit = self._cost_fit if drafting else self._base_fit
-                    fit.add(tokens, start - self._last_propose)
+                    self._cost_fit.add(self._last_step[1], start - self._last_propose)
                     self._cost_steps += 1
                     if self._cost is None or self._cost_steps % COST_REFIT == 0:
-                        # (not every step: the engine waits)
-                        self._cost = self._cost_fit.cost() or self._base_fit.cost()
+                        self._cost = self._cost_fit.cost()  # (not every step: the engine waits)
             proposals, verified = self._book.propose_rows(tok, lengths, k, max_advance=k + 1,
                                                           active=active, keys=keys,
                                                           price=self.price())
@@ -272,8 +260,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             # sampling row plus what is proposed now.
             self._last_propose = time.monotonic()
             self._last_step = (nrows,
-                               sum(1 for a in active if a) + sum(len(p) for p in proposals),
-                               self._book.attached() > 0)
+                               sum(1 for a in active if a) + sum(len(p) for p in proposals))
         return proposals
 
     def price(self) -> float:
@@ -362,22 +349,19 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 out[stream.name][0].add(st)
             return out
 
-    def step_cost(self) -> tuple[dict | None, dict | None]:
-        """The step's cost fitted over steady steps, timed from the end of one
-        propose() to the next against the tokens the step verified: (while
-        drafts were attached, with none attached: the target alone), each
-        {"fixed_s", "per_token_s", "steps"} or None until enough steps. What
-        the K controller decides with (deployments.target.spec_totals)."""
+    def step_cost(self) -> dict | None:
+        """The verify step's cost fitted over steady steps, measured from one
+        propose() to the next ({"fixed_s", "per_token_s", "steps"}; None until
+        enough steps): the time the engine's step takes, and the tokens it
+        verified. The K controller's cost (deployments.target.spec_totals)."""
         with self._lock:
-            return self._cost_fit.as_dict(), self._base_fit.as_dict()
+            return self._cost_fit.as_dict()
 
     def Stats(self, request, context) -> spec_pb2.SinkStats:
         msg = spec_pb2.SinkStats()
-        cost, base = self.step_cost()
+        cost = self.step_cost()
         if cost is not None:
             msg.step_cost.CopyFrom(spec_pb2.StepCostFit(**cost))
-        if base is not None:
-            msg.base_cost.CopyFrom(spec_pb2.StepCostFit(**base))
         for name, (st, w) in sorted(self.figures().items()):
             d = msg.drafts.add(draft=name, waits=w.waits, wait_seconds=w.wait_seconds,
                                steps=w.steps)

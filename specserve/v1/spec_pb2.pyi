@@ -123,14 +123,12 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SinkStats(_message.Message):
-    __slots__ = ("drafts", "step_cost", "base_cost")
+    __slots__ = ("drafts", "step_cost")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
-    BASE_COST_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedCompositeFieldContainer[DraftFigures]
     step_cost: StepCostFit
-    base_cost: StepCostFit
-    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftFigures, _Mapping]]] = ..., step_cost: _Optional[_Union[StepCostFit, _Mapping]] = ..., base_cost: _Optional[_Union[StepCostFit, _Mapping]] = ...) -> None: ...
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftFigures, _Mapping]]] = ..., step_cost: _Optional[_Union[StepCostFit, _Mapping]] = ...) -> None: ...
 
 class StepCostFit(_message.Message):
     __slots__ = ("fixed_s", "per_token_s", "steps")

@@ -89,9 +89,8 @@ def test_poor_draft_or_costly_verification_gives_k0_with_probes():
 
 
 def test_k_follows_the_model():
-    # The choice is the argmax of the predicted rate, and falls with load (not
-    # waiting for the target alone's cost: test_policy has that).
-    ctl = KController(8, {POOL: 1}, Thresholds(probe_every=1000, measure_alone_below=1.0))
+    # The choice is the argmax of the predicted rate, and falls with load.
+    ctl = KController(8, {POOL: 1}, Thresholds(probe_every=1000))
     ctl.turn = 1
     fit, f = fitted(a=0.010, b=0.001, k=8), figures(alpha=0.7, k=8)
     a, b = fit.fit()
@@ -113,7 +112,7 @@ def test_draft_that_never_arrives_is_not_used():
 def test_decides_like_the_policy():
     cost = fitted(a=0.004, b=0.002).cost()
     for alpha in (0.3, 0.6, 0.9):
-        ctl = KController(4, {POOL: 1}, Thresholds(probe_every=1000, measure_alone_below=1.0))
+        ctl = KController(4, {POOL: 1}, Thresholds(probe_every=1000))
         ctl.turn = 1
         f = figures(alpha=alpha)
         for rows in (1, 4):

@@ -285,38 +285,3 @@ def test_row_k_is_the_marginal_rule_of_the_rate_model():
     # b as every policy counts it: floored at V_IDLE of a one-row step
     assert policy.token_cost(policy.StepCost(0.019, 0.0)) == pytest.approx(0.001)
     assert policy.token_cost(policy.StepCost(0.019, 0.002)) == 0.002
-
-
-def test_speculation_is_judged_against_the_target_alone_once_measured():
-    """Where the drafting shares the target's cores its work slows every step;
-    rate(0) is the target alone's (StepCost.alone). Until that is measured, a
-    pool predicted to gain less than measure_alone_below gets no drafts (the
-    target runs alone to measure it); one predicted to gain more goes on."""
-    # Measured on this 2-core machine, 8 rows, Spec-Bench through the suffix pool
-    # (2026-12-06): 55 ms + 0.95 ms/token while drafting; 47 ms a step alone.
-    drafting = StepCost(0.055, 0.00095)
-    both = dataclasses.replace(drafting, alone=(0.047, 0.0))
-    suffix = PoolView("suffix", 5000, 0.59, 0.53, requests=100, inflight=0, wait_s=0.0058)
-    # Against its own step the pool looks worth K = 2 (about 1.07x) ...
-    assert pool_k(suffix, 4, 0.1, drafting, 8) == 2
-    assert 1.0 < speedup(0.59, 2, cost=drafting, rows=8, coverage=0.53, wait_s=0.0058) < 1.5
-    c = choose([suffix], 4, 0.1, 1, cost=drafting, rows=8)
-    assert c.pool is None and c.k == 0 and "measuring the target alone" in c.reason
-    # ... against the target alone it loses: no speculation.
-    assert speedup(0.59, 2, cost=both, rows=8, coverage=0.53, wait_s=0.0058) < 0.97
-    assert pool_k(suffix, 4, 0.1, both, 8) == 0
-    assert choose([suffix], 4, 0.1, 1, cost=both, rows=8).k == 0
-    # Edits: acceptance high enough to pay even against the target alone.
-    edits = dataclasses.replace(suffix, alpha=0.9, coverage=0.9)
-    assert pool_k(edits, 4, 0.1, both, 8) > 0
-    assert choose([edits], 4, 0.1, 1, cost=both, rows=8).pool == "suffix"
-    assert choose([edits], 4, 0.1, 1, cost=drafting, rows=8).pool == "suffix"  # > 1.5x: no wait
-    # measure_alone_below = 1: never wait for it.
-    never = Thresholds(measure_alone_below=1.0)
-    assert choose([suffix], 4, 0.1, 1, cost=drafting, rows=8, th=never).k == 2
-    # The target's figures as reported (TargetEngine.step_cost) carry it as "base".
-    assert StepCost.from_figures({"fixed_s": 0.055, "per_token_s": 0.00095, "base": {
-        "fixed_s": 0.047, "per_token_s": 0.0, "steps": 64}}) == both
-    assert StepCost.from_figures({"fixed_s": 0.055, "per_token_s": 0.00095,
-                                  "base": None}) == drafting
-    assert StepCost.from_figures(None) is None

@@ -47,7 +47,7 @@ def test_measured_cost_is_fetched_in_the_background_and_used():
         picks = [r.choose() for _ in range(2 * PROBE_EVERY)]
         assert r.target.spec_totals.calls == 1  # cached for COST_REFRESH_S: one call
         assert r.controller.inputs["cost_source"] == "measured" and r.controller.inputs["step_cost"] == {
-            **{k: v for k, v in cpu.items() if k != "steps"}, "alone": None}
+            k: v for k, v in cpu.items() if k != "steps"}
         pool = r.controller.inputs["pools"]["smollm2-distill"]
         assert pool["alpha"] == pytest.approx(10 / 34) and pool["coverage"] == pytest.approx(0.12)
         assert pool["k"] == 0 and r.stats.current_k["smollm2-distill"] == 0, (first, pool)

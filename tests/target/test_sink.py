@@ -496,10 +496,7 @@ def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
 
 def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
     """step seconds = a + b · tokens from the time between proposes; a step in
-    which rows came or went (a prefill) or a row did not sample is left out.
-    Steps with no draft attached fit the target alone; steps while drafts are
-    attached, the step while drafting (slower where the drafting shares the
-    target's cores)."""
+    which rows came or went (a prefill) or a row did not sample is left out."""
     import types
 
     import specserve.target.sink as sink_module
@@ -507,45 +504,26 @@ def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(sink_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     sink = DraftSink(vocab_size=100, max_wait_s=0.05)
-
-    def run(a, b, counts, prev=None):
-        for count in counts:
-            if prev is not None:
-                now[0] += a + b * prev + (0.5 if count != prev else 0.0)
-            active = [True] * count
-            if count == 3:
-                active[0] = False  # a row still in its prefill: not a decode step
-            assert sink.propose(*rows(*[h(1, 2, 3)] * count), active, k=3) == [[]] * count
-            prev = count
-        return prev
-
-    a0, b0 = 0.05, 0.01
-    prev = run(a0, b0, [1] * 12 + [8] * 12 + [3] * 2)
-    assert sink._cost_fit.fit() is None and len(sink._base_fit) == 22
-    fit = sink._base_fit.fit()
-    assert abs(fit[0] - a0) < 1e-9 and abs(fit[1] - b0) < 1e-9
-    # What the wait prices with: the fit, redone every 16 steady steps (the
-    # target alone's while nothing has been drafted).
-    assert abs(sink._cost.fixed - a0) < 1e-9 and abs(sink._cost.per_token - b0) < 1e-9
-    assert sink.Stats(spec_pb2.StatsRequest(), None).HasField("base_cost")
-    assert not sink.Stats(spec_pb2.StatsRequest(), None).HasField("step_cost")
-
-    monkeypatch.setattr(sink._book, "attached", lambda: 1)  # a draft is attached from now on
-    a, b = 0.07, 0.012
-    run(a, b, [2] * 12 + [6] * 16, prev=prev)
+    a, b = 0.05, 0.01
+    prev = None
+    for count in [1] * 12 + [8] * 12 + [3] * 2:
+        if prev is not None:
+            now[0] += a + b * prev + (0.5 if count != prev else 0.0)
+        active = [True] * count
+        if count == 3:
+            active[0] = False  # a row still in its prefill: not a decode step
+        assert sink.propose(*rows(*[h(1, 2, 3)] * count), active, k=3) == [[]] * count
+        prev = count
     fit = sink._cost_fit.fit()
-    assert fit is not None and len(sink._cost_fit) == 26
+    assert fit is not None and len(sink._cost_fit) == 22
     assert abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
-    assert len(sink._base_fit) == 22  # the alone fit kept as it was
-    # What the K controller decides with: both fits, in the sink's Stats answer
+    # What the wait prices with: the fit, redone every 16 steady steps.
+    assert abs(sink._cost.fixed - a) < 1e-9 and abs(sink._cost.per_token - b) < 1e-9
+    # What the K controller decides with: the fit, in the sink's Stats answer
     # (none before enough steady steps).
-    stats = sink.Stats(spec_pb2.StatsRequest(), None)
-    assert stats.step_cost.steps == 26 and stats.base_cost.steps == 22
-    assert stats.step_cost.fixed_s == pytest.approx(a)
-    assert stats.step_cost.per_token_s == pytest.approx(b)
-    assert stats.base_cost.fixed_s == pytest.approx(a0)
-    # the wait prices with the drafting fit from its first refit with enough steps
-    assert abs(sink._cost.fixed - a) < 1e-9
+    cost = sink.Stats(spec_pb2.StatsRequest(), None).step_cost
+    assert cost.steps == 22
+    assert cost.fixed_s == pytest.approx(a) and cost.per_token_s == pytest.approx(b)
     assert not DraftSink(vocab_size=100).Stats(spec_pb2.StatsRequest(), None).HasField("step_cost")
 
 
@@ -792,16 +770,10 @@ def test_the_k_controller_decides_with_the_sinks_step_cost_once_it_has_one(sink)
     assert target.step_cost()["source"] == "engine"
     assert target.step_cost()["per_token_s"] == pytest.approx(0.001)
     assert asyncio.run(target.sink_stats()) == {}  # no draft yet, no fit yet
-    assert target.step_cost()["source"] == "engine" and target.step_cost()["base"] is None
-    for tokens in range(1, 21):  # the sink's while drafting: 0.01 s + 0.004 s per token
+    assert target.step_cost()["source"] == "engine"
+    for tokens in range(1, 21):  # the sink's: 0.01 s + 0.004 s per token
         sink._cost_fit.add(tokens, 0.01 + 0.004 * tokens)
     asyncio.run(target.sink_stats())
     cost = target.step_cost()
-    assert cost["source"] == "sink" and cost["steps"] == 20 and cost["base"] is None
+    assert cost["source"] == "sink" and cost["steps"] == 20
     assert cost["fixed_s"] == pytest.approx(0.01) and cost["per_token_s"] == pytest.approx(0.004)
-    for tokens in range(1, 21):  # the sink's with no draft attached: 0.008 s + 0.003 s per token
-        sink._base_fit.add(tokens, 0.008 + 0.003 * tokens)
-    asyncio.run(target.sink_stats())
-    base = target.step_cost()["base"]
-    assert base["steps"] == 20 and base["fixed_s"] == pytest.approx(0.008)
-    assert base["per_token_s"] == pytest.approx(0.003)
