@@ -206,6 +206,8 @@ class LocalSpec:
 
     async def aclose(self) -> None:
         await self.stop_draft()
+        if self._cost_task is not None and not self._cost_task.done():
+            self._cost_task.cancel()
         if self.target_engine is not None:
             self.target_engine.shutdown()
             self.target_engine = self.engine = None

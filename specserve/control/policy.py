@@ -21,8 +21,9 @@ per-token acceptance), the others one, so the target's output rate is
 and speedup(K) = rate(K) / rate(0). The draft runs on other hardware, so its
 own cost does not slow the target; it only limits coverage.
 
-a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fed with
-vLLM's step timing). Before they are, the model stands in: one row, and a
+a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fed
+by the target's sink, which times each step inside the engine, or else by
+vLLM's step records: `specserve.target.engine.TargetEngine.step_cost`). Before they are, the model stands in: one row, and a
 verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
 the target is memory-bound, 1 when it is saturated): a = 1 − v, b = v, which
 gives speedup = E(α, K) / (1 + v K) at full coverage; w, in seconds, enters
