@@ -23,8 +23,8 @@ own cost does not slow the target; it only limits coverage.
 
 a and b are measured on the target (`specserve.control.stepcost.StepCostFit`, fed
 by the target's sink, which times each step inside the engine, or else by
-vLLM's step records: `specserve.target.engine.TargetEngine.step_cost`). Before they are, the model stands in: one row, and a
-verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
+vLLM's step records: `specserve.target.engine.TargetEngine.step_cost`). Before
+they are, the model stands in: one row, and a verified token costs v = V_IDLE + (1 − V_IDLE) · load of a step (small while
 the target is memory-bound, 1 when it is saturated): a = 1 − v, b = v, which
 gives speedup = E(α, K) / (1 + v K) at full coverage; w, in seconds, enters
 only next to a measured a and b (the modelled cost has no seconds). A measured b is never

@@ -129,7 +129,14 @@ def test_a_target_replica_killed_mid_run(app, reference, tmp_path):
         prom.wait_for("specserve_requests_total", 60, "a first scrape of the router")
         before = set(stats(app)["target_replicas"]["running"] or [])
         assert len(before) == 2, before
-        victim = replica_processes(app, "target")[0]
+        # Exactly the two running replicas' processes (a replica Serve is still
+        # stopping would otherwise be a victim that holds no stream).
+        def two_targets():
+            found = replica_processes(app, "target")
+            return found if len(found) == 2 else None
+
+        targets = wait_for(two_targets, 120, "two target replica processes")
+        victim = targets[0]
         streams, results = start_streams(app, prompts, LONG, 300)
         kill_replica(app, "target", victim)
         for t in streams:
@@ -145,7 +152,8 @@ def test_a_target_replica_killed_mid_run(app, reference, tmp_path):
             else:  # the survivor's (or finished before the kill)
                 assert text == want
         assert any(results[j][1] is not None for j in range(len(prompts))), \
-            "no stream was on the killed replica; the test proves nothing"
+            (f"no stream was on the killed replica {victim.pid} (of {[p.pid for p in targets]}); "
+             "the test proves nothing")
 
         # The survivor serves new requests, with drafts: they re-attach to it.
         survivor_accepted = accepted_by_target(app)
