@@ -112,10 +112,10 @@ class TargetServer:
             per_request_k=self.config.speculation.per_request_k,
             distributed_executor_backend=None if executor == "uni" else executor,
             engine_metrics=True)  # vLLM's own metrics, for vLLM's dashboards
-        # The engine, its counters and its measured decode step cost (a + b ·
-        # tokens), which the router's K choice reads through spec_totals.
+        # The engine and its counters; its measured decode step cost (a + b ·
+        # tokens), which the router's K choice reads through spec_totals, is
+        # self.target.step_cost().
         self.engine, self.totals = self.target.engine, self.target.totals
-        self.step_costs = self.target.step_costs
         self.max_model_len = self.target.max_model_len
         self.sink_address = self.target.sink_address
         from vllm.platforms import current_platform
