@@ -91,9 +91,7 @@ class DraftChoice:
         acceptance, coverage, the target's measured step cost (modelled from
         load until the target has measured it) and `waits`, each pool's
         measured wait per step in seconds (specserve.acceptance.branches.pool_waits)."""
-        measured = self.step_cost()
-        cost = (policy.StepCost(measured["fixed_s"], measured["per_token_s"])
-                if measured is not None else None)
+        cost = policy.StepCost.from_figures(self.step_cost())
         # decode rows per target replica, this request included
         rows = (sum(self.inflight.values()) + 1) / self.target_replicas
         by_model = self.stats.by_model if self.fleet_by_model is None else self.fleet_by_model

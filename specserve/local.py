@@ -228,8 +228,7 @@ class LocalSpec:
                 self._cost_task is None or self._cost_task.done()):
             self._cost_at = now
             self._cost_task = asyncio.get_running_loop().create_task(self._refresh_cost())
-        cost = self.target_engine.step_cost()
-        return None if cost is None else StepCost(cost["fixed_s"], cost["per_token_s"])
+        return StepCost.from_figures(self.target_engine.step_cost())
 
     async def _refresh_cost(self) -> None:
         try:

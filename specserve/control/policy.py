@@ -78,6 +78,12 @@ class StepCost:
     per_token: float  # b
     measured: bool = True  # False: modelled from load (modelled_cost)
 
+    @classmethod
+    def from_figures(cls, d: dict | None) -> "StepCost | None":
+        """From the target's reported `step_cost` ({"fixed_s", "per_token_s", ...};
+        specserve.target.engine.TargetEngine.step_cost); None until measured."""
+        return None if d is None else cls(d["fixed_s"], d["per_token_s"])
+
 
 def verify_cost(load: float, v_idle: float = V_IDLE) -> float:
     """Modelled cost of one more verified token, in steps of one row."""

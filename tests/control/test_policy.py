@@ -285,3 +285,9 @@ def test_row_k_is_the_marginal_rule_of_the_rate_model():
     # b as every policy counts it: floored at V_IDLE of a one-row step
     assert policy.token_cost(policy.StepCost(0.019, 0.0)) == pytest.approx(0.001)
     assert policy.token_cost(policy.StepCost(0.019, 0.002)) == 0.002
+
+
+def test_a_step_cost_from_the_targets_figures():
+    assert StepCost.from_figures({"fixed_s": 0.05, "per_token_s": 0.001, "steps": 20,
+                                  "source": "sink"}) == StepCost(0.05, 0.001)
+    assert StepCost.from_figures(None) is None
