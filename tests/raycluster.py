@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.ports import free_port
+from specserve.ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_GPU_SHIM = REPO / "specserve" / "testing" / "fakegpu"
@@ -59,21 +59,25 @@ class LoopbackCluster:
         import json
 
         resources = {**node.resources, f"{NODE_RESOURCE}{node.name}": 1}
-        node.metrics_port = free_port()  # Ray's metrics agent: Prometheus text
+        # Picked together, none the cluster's own port, so no two are the same
+        # (Ray refuses a node that gives two components one port).
+        (node.metrics_port,  # Ray's metrics agent: Prometheus text
+         agent_http, agent_grpc, runtime_env, node_manager, object_manager,
+         dashboard) = [p for p in free_ports(8) if p != self.port][:7]
         args = [RAY, "start", "--block", "--node-ip-address=127.0.0.1",
                 f"--num-cpus={node.num_cpus}", f"--num-gpus={node.num_gpus}",
                 f"--memory={node.memory_gib << 30}", "--object-store-memory=200000000",
                 f"--resources={json.dumps(resources)}", "--disable-usage-stats",
                 # Nodes share one IP: every agent port must differ.
-                f"--dashboard-agent-listen-port={free_port()}",
-                f"--dashboard-agent-grpc-port={free_port()}",
-                f"--runtime-env-agent-port={free_port()}",
+                f"--dashboard-agent-listen-port={agent_http}",
+                f"--dashboard-agent-grpc-port={agent_grpc}",
+                f"--runtime-env-agent-port={runtime_env}",
                 f"--metrics-export-port={node.metrics_port}",
-                f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
+                f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}"]
         if head:
             # The dashboard serves Ray's state API (ray list ..., ray.util.state).
             args += ["--head", f"--port={self.port}", "--dashboard-host=127.0.0.1",
-                     f"--dashboard-port={free_port()}"]
+                     f"--dashboard-port={dashboard}"]
         else:
             args += [f"--address={self.address}"]
         return args
