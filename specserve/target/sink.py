@@ -27,7 +27,6 @@ closes it and its draft is told (spec.proto Release) to stop drafting it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import hmac
@@ -41,23 +40,14 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from specserve.acceptance.record import percentile
 from specserve.control import policy
-from specserve.control.stepcost import StepCostFit
 from specserve.target.book import NOT_FOUND, RESOURCE_EXHAUSTED, BookError, BookStats, DraftBook
+from specserve.target.sink_clock import DraftSpeed, StepClock
 from specserve.tls import draft_role_problem, server_credentials
 from specserve.v1 import spec_pb2, spec_pb2_grpc
 from specserve.wire import CHANNEL_OPTIONS, DRAFT_NAME_KEY, pack_verified
 
 log = logging.getLogger(__name__)
-
-EWMA = 0.2  # weight of a new sample in the step and draft-speed estimates
-# The wait's deadline is a high percentile of the draft's recent round trips
-# (verified update out -> first fresh drafts), higher the more rows wait
-# (policy.round_trip_percentile): a wait ends as soon as the drafts are in, so a
-# deadline at the mean would give up on half of them.
-ROUND_TRIP_SAMPLES = 64
-COST_REFIT = 16  # steady steps between two fits of the verify step's cost
 
 
 @dataclasses.dataclass
@@ -141,24 +131,11 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # drafts came in
         self.max_wait_s = min(max(max_wait_s, 0.0), policy.MAX_WAIT_S)
-        # Estimates for the wait bound (seconds): one engine step without the
-        # wait, and one drafted token after a rejection (verified update sent ->
-        # fresh drafts in the book, per token). None until measured.
-        self._step_s: float | None = None
-        self._emitted: float | None = None  # tokens the rows gain per step
-        self._draft_token_s: float | None = None
-        # verified update out -> first fresh drafts, the latest round trips
-        self._round_trips: collections.deque = collections.deque(maxlen=ROUND_TRIP_SAMPLES)
-        self._last_propose: float | None = None
+        # The engine's step and the draft's speed, for the wait bound, the
+        # per-request price and the K controller's cost (sink_clock).
+        self.clock = StepClock()
+        self.draft_speed = DraftSpeed()
         self.last_wait_s = 0.0  # the bounded wait of the last propose() (0: none)
-        # The verify step's cost a + b · tokens, fitted over steady decode steps
-        # (same rows, every row sampling): what one more verified token costs.
-        self._cost_fit = StepCostFit()
-        self._cost: policy.StepCost | None = None  # the fit, redone every COST_REFIT steps
-        self._cost_steps = 0
-        self._last_step: tuple[int, int] | None = None  # (rows, tokens) of the step started last
-        # key -> [when its miss's update went out, when the first fresh drafts came]
-        self._miss_sent: dict = {}
         self._retired: dict[str, BookStats] = {}  # figures of closed streams, by draft
         self._waits: dict[str, WaitFigures] = {}
         self._streams: dict[int, _Stream] = {}
@@ -188,7 +165,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         with self._lock:
             self._book.unregister(request_id)
             self._tickets.pop(request_id, None)
-            self._miss_sent.pop(request_id, None)
+            self.draft_speed.forget(request_id)
 
     def propose(
         self,
@@ -204,26 +181,18 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         start = time.monotonic()
         self.last_wait_s = 0.0
         with self._lock:
-            if self._last_propose is not None and start - self._last_propose < 2.0:
-                # (longer: the engine was idle, not stepping)
-                self._step_s = _ewma(self._step_s, start - self._last_propose)
-                if self._last_step is not None and self._last_step[0] == nrows \
-                        and all(active):
-                    self._cost_fit.add(self._last_step[1], start - self._last_propose)
-                    self._cost_steps += 1
-                    if self._cost is None or self._cost_steps % COST_REFIT == 0:
-                        self._cost = self._cost_fit.cost()  # (not every step: the engine waits)
+            stepping = self.clock.tick(start, nrows, all(active))
             proposals, verified = self._book.propose_rows(tok, lengths, k, max_advance=k + 1,
                                                           active=active, keys=keys,
                                                           price=self.price())
-            if self._last_propose is not None and start - self._last_propose < 2.0:
-                self._emitted = _ewma(self._emitted, self._book.emitted)
+            if stepping:
+                self.clock.gained(self._book.emitted)
             misses = list(self._book.misses)
             streams = dict(self._streams)
             for _, key in misses:
-                self._miss_sent[key] = [start, None]
-            if len(self._miss_sent) > 4 * nrows + 64:
-                self._miss_sent.clear()  # forgotten rows; the next misses remeasure
+                self.draft_speed.missed(key, start)
+            if len(self.draft_speed) > 4 * nrows + 64:
+                self.draft_speed.forget()  # forgotten rows; the next misses remeasure
             names = {streams[sid].name for sid in
                      (self._book.stream_of(key) for _, key in misses) if sid in streams}
         for sid, part in verified.by_stream().items():  # one batch per stream
@@ -258,9 +227,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             # The engine's step is the time from here to the next propose (the
             # forward pass); a wait is not part of it. It verifies one token per
             # sampling row plus what is proposed now.
-            self._last_propose = time.monotonic()
-            self._last_step = (nrows,
-                               sum(1 for a in active if a) + sum(len(p) for p in proposals))
+            self.clock.hand_over(time.monotonic(), nrows,
+                                 sum(1 for a in active if a) + sum(len(p) for p in proposals))
         return proposals
 
     def price(self) -> float:
@@ -269,26 +237,23 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         per step / seconds per step). 0 (every row gets its K) until measured
         or with per_request_k off. A drafted token is proposed only where its
         chance of acceptance beats this (`policy.row_k`)."""
-        if not self.per_request_k or self._cost is None or not self._step_s \
-                or not self._emitted:
-            return 0.0
-        return policy.token_cost(self._cost) * self._emitted / self._step_s
+        return self.clock.price() if self.per_request_k else 0.0
 
     def wait_bound(self, rows: int, waiting_rows: int, k: int) -> float:
         """Seconds to hold this step for fresh drafts (the rate model's bound)."""
-        if self.max_wait_s <= 0.0 or self._step_s is None:
+        if self.max_wait_s <= 0.0 or self.clock.step_s is None:
             return 0.0
         alpha = self._book.stats.alpha
         s = self._book.stats
         coverage = s.rows_with_proposals / s.rows_seen if s.rows_seen else 1.0
         # Unknown draft speed: probe with a share of the cap, then measure.
-        d = self._draft_token_s if self._draft_token_s is not None else self.max_wait_s / max(k, 1)
+        d = self.draft_speed.token_s
+        if d is None:
+            d = self.max_wait_s / max(k, 1)
         return policy.wait_bound(alpha if alpha is not None else 0.0, k, rows, waiting_rows,
-                                 self._step_s, d, cost=self._cost, coverage=coverage,
+                                 self.clock.step_s, d, cost=self.clock.cost, coverage=coverage,
                                  max_wait_s=self.max_wait_s,
-                                 first_token_s=percentile(
-                                     self._round_trips,
-                                     policy.round_trip_percentile(waiting_rows)))
+                                 first_token_s=self.draft_speed.first_token_s(waiting_rows))
 
     def _wait(self, lengths, misses, k: int, deadline: float) -> dict[int, list[int]]:
         keys = [key for _, key in misses]
@@ -301,28 +266,6 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                     break
                 self._arrived.wait(left)
             return self._book.refill(lengths, k)
-
-    def _measure_draft(self, key, added: int, done: bool = False) -> None:
-        """The draft's speed after a miss: the first fresh drafts' latency (round
-        trip included; its answer that it has none counts too), then the time
-        per token of the next ones."""
-        times = self._miss_sent.get(key)
-        if times is None:
-            return
-        now = time.monotonic()
-        if times[1] is None:
-            self._round_trips.append(now - times[0])
-            if added >= 4:  # the draft sends its tokens in bulk: no wait per token
-                self._draft_token_s = _ewma(self._draft_token_s, 0.0)
-                del self._miss_sent[key]
-            elif done:  # all it has: nothing to time per token
-                del self._miss_sent[key]
-            else:
-                times[1] = now
-        else:
-            if added:
-                self._draft_token_s = _ewma(self._draft_token_s, (now - times[1]) / added)
-            del self._miss_sent[key]
 
     def stats(self) -> dict:
         with self._lock:
@@ -355,7 +298,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
         enough steps): the time the engine's step takes, and the tokens it
         verified. The K controller's cost (deployments.target.spec_totals)."""
         with self._lock:
-            return self._cost_fit.as_dict()
+            return self.clock.fit.as_dict()
 
     def Stats(self, request, context) -> spec_pb2.SinkStats:
         msg = spec_pb2.SinkStats()
@@ -461,8 +404,8 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                 if added.any() or done:
                     for i in sorted(set(np.flatnonzero(added).tolist()) | done):
                         rid = batch.request_ids[i]
-                        if rid in self._miss_sent:
-                            self._measure_draft(rid, int(added[i]), done=i in done)
+                        self.draft_speed.arrived(rid, int(added[i]), time.monotonic(),
+                                                 done=i in done)
                     self._arrived.notify_all()
         except BookError as e:
             errors = [("", e)]
@@ -495,7 +438,7 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
                         stream=stream.id,
                     )
                     if added:
-                        self._measure_draft(rid, added)
+                        self.draft_speed.arrived(rid, added, time.monotonic())
                         self._arrived.notify_all()
                 elif kind == "close":
                     rid = part.request_id
@@ -545,6 +488,3 @@ class DraftSink(spec_pb2_grpc.DraftSinkServicer):
             self._server.stop(grace)
             self._server = None
 
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1.0 - EWMA) * old + EWMA * new

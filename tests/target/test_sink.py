@@ -420,7 +420,7 @@ def test_a_wait_ends_when_the_draft_says_it_has_nothing_for_the_targets_token():
         props, waited = asyncio.run(main())
         assert props == [[]]
         assert waited < bound / 4, waited
-        assert len(s._round_trips) == 1 and s._round_trips[0] < bound / 4
+        assert len(s.draft_speed.round_trips) == 1 and s.draft_speed.round_trips[0] < bound / 4
         assert s.stats()["request_errors"] == 0
     finally:
         s.stop()
@@ -459,7 +459,7 @@ def _rejected(sink, c, step_s=0.1):
     assert wait_for(lambda: sink.stats()["draft_tokens_buffered"] == 7)
     assert sink.propose(*rows(h(1, 2, 5)), [True], k=3, keys=["r"]) == [[6, 7, 8]]
     assert sink.propose(*rows(h(1, 2, 5, 6, 7, 8, 9)), [True], k=3, keys=["r"]) == [[10, 11]]
-    sink._step_s = step_s  # a target of this step time (measured in a real engine)
+    sink.clock.step_s = step_s  # a target of this step time (measured in a real engine)
     c.reply(), c.reply()
 
 
@@ -469,7 +469,7 @@ def test_the_bounded_wait_proposes_drafts_that_arrive_in_time():
     try:
         c = Client(sink)
         _rejected(sink, c)
-        sink._draft_token_s = 0.03  # the draft's measured speed
+        sink.draft_speed.token_s = 0.03  # the draft's measured speed
 
         def answer():
             msg = c.reply()  # the verified update goes out before the wait
@@ -514,11 +514,11 @@ def test_the_sink_fits_the_verify_step_cost_over_steady_steps(monkeypatch):
             active[0] = False  # a row still in its prefill: not a decode step
         assert sink.propose(*rows(*[h(1, 2, 3)] * count), active, k=3) == [[]] * count
         prev = count
-    fit = sink._cost_fit.fit()
-    assert fit is not None and len(sink._cost_fit) == 22
+    fit = sink.clock.fit.fit()
+    assert fit is not None and len(sink.clock.fit) == 22
     assert abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
     # What the wait prices with: the fit, redone every 16 steady steps.
-    assert abs(sink._cost.fixed - a) < 1e-9 and abs(sink._cost.per_token - b) < 1e-9
+    assert abs(sink.clock.cost.fixed - a) < 1e-9 and abs(sink.clock.cost.per_token - b) < 1e-9
     # What the K controller decides with: the fit, in the sink's Stats answer
     # (none before enough steady steps).
     cost = sink.Stats(spec_pb2.StatsRequest(), None).step_cost
@@ -560,21 +560,21 @@ def test_the_wait_is_bounded_and_zero_when_it_cannot_pay():
     try:
         c = Client(sink)
         _rejected(sink, c)
-        sink._draft_token_s = 0.01
+        sink.draft_speed.token_s = 0.01
         t0 = time.monotonic()
         assert sink.propose(*rows(REJECTED), [True], k=3, keys=["r"]) == [[]]  # nothing ever comes
         bound = sink.wait_bound(rows=1, waiting_rows=1, k=3)
         assert 0 < bound <= 0.08
         assert time.monotonic() - t0 < bound + 0.05
         # A draft too slow to pay for the wait, or a big batch: no wait at all.
-        sink._draft_token_s = 1.0
+        sink.draft_speed.token_s = 1.0
         assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == 0.0
-        sink._draft_token_s = 0.01
+        sink.draft_speed.token_s = 0.01
         assert sink.wait_bound(rows=64, waiting_rows=1, k=3) == 0.0
         # A draft that sends its drafts at once: the deadline is the 90th
         # percentile of its round trips, not their mean (0.0032 s here).
-        sink._draft_token_s = 0.0
-        sink._round_trips.extend([0.002] * 8 + [0.006, 0.010])
+        sink.draft_speed.token_s = 0.0
+        sink.draft_speed.round_trips.extend([0.002] * 8 + [0.006, 0.010])
         assert sink.wait_bound(rows=1, waiting_rows=1, k=3) == pytest.approx(0.0064)
         # Two rows waiting: the percentile at which both are in 9 times in 10
         # (100 * 0.9 ** 0.5 = 94.87th: 0.006 + 0.004 * 0.538).
@@ -772,7 +772,7 @@ def test_the_k_controller_decides_with_the_sinks_step_cost_once_it_has_one(sink)
     assert asyncio.run(target.sink_stats()) == {}  # no draft yet, no fit yet
     assert target.step_cost()["source"] == "engine"
     for tokens in range(1, 21):  # the sink's: 0.01 s + 0.004 s per token
-        sink._cost_fit.add(tokens, 0.01 + 0.004 * tokens)
+        sink.clock.fit.add(tokens, 0.01 + 0.004 * tokens)
     asyncio.run(target.sink_stats())
     cost = target.step_cost()
     assert cost["source"] == "sink" and cost["steps"] == 20
