@@ -91,6 +91,12 @@ class AdaptBuffer:
         self.heldout_positions = 0  # held-out continuation tokens: where alpha is measured
         self.evicted = 0  # requests evicted to keep the bound
 
+    @classmethod
+    def from_config(cls, adapt) -> AdaptBuffer:
+        """The buffer an AdaptConfig (`drafts[].adapt`) sets."""
+        return cls(adapt.buffer_tokens, adapt.max_context_tokens, adapt.per_request_tokens,
+                   adapt.heldout_share)
+
     # ---- from the draft runner -----------------------------------------------------
 
     def open(self, request_id: str, prompt_ids: Sequence[int]) -> None:

@@ -10,6 +10,8 @@ so of the code part: a change restarts the pool's replicas.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, field_validator, model_validator
 
 from specserve.config.base import _require_non_empty, _Strict
@@ -65,6 +67,14 @@ class AdaptConfig(_Strict):
                           "the shipped draft), on the replicas' node. Null: "
                           "adapt/POOL under the specserve cache ($SPECSERVE_CACHE, "
                           "~/.cache/specserve).")
+
+    def versions_root(self, pool: str) -> Path:
+        """The folder of `pool`'s versions: versions_dir, or adapt/POOL under the cache."""
+        if self.versions_dir is not None:
+            return Path(self.versions_dir).expanduser()
+        from specserve.models import cache_root
+
+        return cache_root() / "adapt" / pool
 
     @field_validator("versions_dir")
     @classmethod
