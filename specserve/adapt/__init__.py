@@ -6,7 +6,11 @@
 - `guard`: whether a candidate's held-out alpha beats the serving weights' by
   the margin (`judge`), with the reason either way;
 - `versions`: the draft weights' versions on disk and the manifest that says
-  which one serves (`VersionStore`).
+  which one serves (`VersionStore`);
+- `figures`: a replica's `adapt` figures for its pool's row on /v1/spec/stats.
+
+The draft runner feeds the buffer (specserve/draft/runner.py); the draft
+replica holds the buffer and the store (deployments/draft.py).
 
 Settings: `specserve.config.AdaptConfig` (`drafts[].adapt`, off by default).
 """
