@@ -65,3 +65,29 @@ def test_a_draft_replica_without_adapt_collects_nothing(no_engine):
     server = DraftServer({"name": "small", "model": "/models/draft"},
                          speculation={"num_speculative_tokens": 4})
     assert server.adapt() is None and server.runner.adapt is None
+
+
+def test_a_target_replica_asks_only_the_adapting_pools():
+    """TargetServer.draft_adapt (the way the router's stats reach the draft
+    pools), on a stand-in replica: no engine."""
+    from types import SimpleNamespace
+
+    from deployments.target import TargetServer
+    from fake_target import FakeRemote
+    from specserve.config import AppConfig
+
+    config = AppConfig.from_dict({"drafts": [
+        {"name": "a", "model": "/m", "adapt": {"enabled": True}},
+        {"name": "b", "model": "/m"},
+        {"name": "dead", "model": "/m", "adapt": {"enabled": True}}]})
+    handles = {"a": SimpleNamespace(adapt=FakeRemote({"version": "v0"}), active=FakeRemote(2)),
+               "b": SimpleNamespace(adapt=FakeRemote({"version": "v9"}), active=FakeRemote(0)),
+               "dead": SimpleNamespace(adapt=FakeRemote(error=RuntimeError()),
+                                       active=FakeRemote(error=RuntimeError()))}
+    replica = SimpleNamespace(config=config, drafts=handles,
+                              _ask_drafts=TargetServer._ask_drafts)
+    assert asyncio.run(TargetServer.draft_adapt(replica)) == {
+        "a": {"version": "v0"}, "b": None, "dead": "unavailable: RuntimeError"}
+    assert handles["b"].adapt.calls == 0
+    assert asyncio.run(TargetServer.draft_active(replica)) == {
+        "a": 2, "b": 0, "dead": "unavailable: RuntimeError"}
