@@ -5,6 +5,11 @@ replica asks for drafts with a *streaming* call to `draft(...)`: drafting lasts
 as long as that call, and cancelling it (the target is done) stops drafting. So
 no later call has to find this same replica again, and a dead draft replica
 simply ends the call: the target goes on alone.
+
+With `adapt.enabled` the replica's runner feeds an AdaptBuffer with the
+verified tokens it receives, and the replica opens its pool's version store
+(specserve/adapt/); `adapt()` answers their figures. The buffer holds user
+text and stays in this process.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ log = logging.getLogger("specserve.draft")
 class DraftServer:
     def __init__(self, draft: dict, target_tp: int = 1, grpc_tls: dict | None = None,
                  speculation: dict | None = None):
+        from specserve.adapt.buffer import AdaptBuffer
         from specserve.config import SpeculationConfig
         from specserve.draft.runner import BranchPlan
         from specserve.draft.worker import DraftWorker
@@ -37,11 +43,27 @@ class DraftServer:
         # continued as batched engine requests (cheap on an accelerator).
         plan = BranchPlan(spec.branch_fan_out, spec.branch_alternatives(), spec.branch_tokens(),
                           positions=spec.num_speculative_tokens + 1)
+        adapt = self.config.adapt
+        self.adapt_buffer = AdaptBuffer.from_config(adapt) if adapt.enabled else None
+        self.versions = self._open_versions() if adapt.enabled else None
         self.worker = DraftWorker.start(self.config.draft_spec, settings_from(self.config.engine),
                                         tls=TlsFiles.from_config(grpc_tls), cpus=draft_cpus,
                                         branches=plan, suffix=self.config.suffix,
-                                        name=f"{self.config.name}/{replica_name()}")
+                                        name=f"{self.config.name}/{replica_name()}",
+                                        adapt=self.adapt_buffer)
         self.runner = self.worker.runner
+
+    def _open_versions(self):
+        """The pool's version store (v0: this pool's model); None, with a
+        warning, when its folder cannot be written: collection goes on."""
+        from specserve.adapt.versions import VersionStore
+
+        root = self.config.adapt.versions_root(self.config.name)
+        try:
+            return VersionStore(root, source=self.config.model)
+        except OSError as e:
+            log.warning("adapt: no version store at %s (%s); collecting without one", root, e)
+            return None
 
     async def draft(self, request_id: str, prompt_ids: list[int], sink_address: str,
                     lookahead: int, max_tokens: int, k: int = 0, ticket: str = ""):
@@ -65,6 +87,16 @@ class DraftServer:
         coverage, lag = self.runner.timeliness()
         return {"coverage": coverage, "lag": lag, "active": float(self.runner.assigned()),
                 "released": float(self.runner.released())}
+
+    def adapt(self) -> dict | None:
+        """This replica's adaptation figures (specserve.adapt.figures); None
+        when the pool's adapt is off."""
+        from specserve.adapt.figures import adapt_figures
+
+        if self.adapt_buffer is None:
+            return None
+        return adapt_figures(self.adapt_buffer,
+                             self.versions.figures() if self.versions is not None else None)
 
     async def check_health(self) -> None:
         await self.worker.check_health()

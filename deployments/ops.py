@@ -93,10 +93,15 @@ async def _within(awaitable, what: str):
         return f"unavailable: {type(e).__name__}"
 
 
+async def _nothing() -> dict:
+    return {}
+
+
 class OpsViews:
     def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
                  kinds: dict[str, str], serve_status=None, decisions=None, metrics=None,
-                 running_targets=None, ledger=None, router: str = "router"):
+                 running_targets=None, ledger=None, router: str = "router",
+                 adapting: set[str] = frozenset()):
         """kinds: AppConfig.draft_kinds(), every view's `kind` of a pool
         (catalogue.kind_of); serve_status(): the Serve app's {deployment:
         {state: count}} (default: from `serve.status()`); decisions():
@@ -105,12 +110,14 @@ class OpsViews:
         ServeMetrics or None; running_targets(): the ids of the running target
         replicas, or None when unknown (default: from Serve's details);
         ledger: the ledger deployment's handle (None: this router's figures
-        only); router: this router replica's id."""
+        only); router: this router replica's id; adapting: the draft pools
+        with adapt on (their rows carry the replicas' `adapt` figures)."""
         self.stats = stats
         self.choice = choice
         self.target = target
         self.bounds = bounds
         self.kinds = kinds
+        self.adapting = set(adapting)
         self.metrics = metrics
         self._serve_status = serve_status or _serve_deployments
         self._running_targets = running_targets or _running_target_replicas
@@ -257,12 +264,16 @@ class OpsViews:
         c = self.choice
         # Remote figures first (a target replica's report goes to the ledger
         # with this router's batch, before the figures are read).
-        (target_engine, draft_active, pool_rows, autoscaling, missing) = await asyncio.gather(
+        (target_engine, draft_active, pool_rows, autoscaling, missing,
+         adapt) = await asyncio.gather(
             _within(self.target.spec_totals.remote(), "a target replica"),
             _within(self.target.draft_active.remote(), "a target replica"),
             self.pool_rows(),
             _within(self._decisions(), "the autoscaler"),
-            self._refresh_replica())
+            self._refresh_replica(),
+            # asked only when some pool adapts (a target replica asks the pool)
+            _within(self.target.draft_adapt.remote(), "a target replica")
+            if self.adapting else _nothing())
         figures = await self._figures()
         replicas = figures["replicas"]
         snap = figures["stats"].snapshot(time.time(), self.kinds)
@@ -285,7 +296,8 @@ class OpsViews:
         # that replica cross-check the per-request attribution above.
         snap["router_inflight"] = sum(c.inflight.values())
         snap["target_engine"], snap["draft_active"] = target_engine, draft_active
-        snap["pools"], snap["autoscaling"] = pool_rows, autoscaling
+        snap["pools"] = pools.with_adapt(pool_rows, adapt, self.adapting)
+        snap["autoscaling"] = autoscaling
         # The step after a rejection, per draft, from the target replicas'
         # draft books (specserve.acceptance.branches), added up over the
         # replicas that reported: branch hit rate, coverage after an accepted

@@ -238,7 +238,8 @@ class Router:
         kinds = self.config.draft_kinds()
         self.ops = OpsViews(self.stats, self.choice, target, _bounds(self.config), kinds,
                             metrics=ServeMetrics(kinds) if serve_metrics else None,
-                            ledger=ledger, router=replica_name())
+                            ledger=ledger, router=replica_name(),
+                            adapting={d.name for d in self.config.drafts if d.adapt.enabled})
 
     def reconfigure(self, live: dict) -> None:
         """The live settings (`specserve.config.live`: K, the K controller's

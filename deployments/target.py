@@ -277,10 +277,24 @@ class TargetServer:
 
     async def draft_active(self) -> dict:
         """Requests each draft pool is drafting for now (from one replica of each)."""
+        return await self._ask_drafts("active", self.drafts)
+
+    async def draft_adapt(self) -> dict:
+        """Each draft pool's adaptation figures (DraftServer.adapt, from one
+        replica of each); None for a pool whose adapt is off (not asked)."""
+        adapting = {d.name for d in self.config.drafts if d.adapt.enabled}
+        asked = await self._ask_drafts("adapt", {name: handle for name, handle
+                                                 in self.drafts.items() if name in adapting})
+        return {name: asked.get(name) for name in self.drafts}
+
+    @staticmethod
+    async def _ask_drafts(method: str, handles: dict) -> dict:
+        """`method` of one replica of each draft pool; "unavailable: ..." for a
+        pool that does not answer."""
         out = {}
-        for name, handle in self.drafts.items():
+        for name, handle in handles.items():
             try:
-                out[name] = await asyncio.wait_for(handle.active.remote(), 10)
+                out[name] = await asyncio.wait_for(getattr(handle, method).remote(), 10)
             except Exception as e:  # a dead or restarting draft pool
                 out[name] = f"unavailable: {type(e).__name__}"
         return out

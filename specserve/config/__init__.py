@@ -7,6 +7,7 @@
   (`kcontrol`), the W > K rule;
 - `quotas`: per-request limits, the target queue, the request timeout;
 - `suffix`: the suffix draft pool's memory bounds and drafting rule;
+- `adapt`: a draft pool's online adaptation (collection bounds, guard, schedule);
 - `http`: the HTTP ingress (listen address, API keys, body size);
 - `grpc_tls`: mutual TLS on the draft -> target stream;
 - `routing`: how target and draft replicas are chosen (prefix within a load bound);
@@ -16,6 +17,7 @@
 Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 """
 
+from specserve.config.adapt import AdaptConfig
 from specserve.config.grpc_tls import GrpcTlsConfig
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
@@ -42,7 +44,8 @@ from specserve.config.suffix import SuffixConfig
 
 __all__ = [
     "DEFAULT_CONFIG_PATH", "DRAFT_NAME_MAX_LEN", "DRAFT_NAME_RE", "MAX_SPECULATIVE_TOKENS",
-    "MODEL_BOUND_ENGINE_KEYS", "AppConfig", "Autoscaling", "ConfigError", "DraftConfig",
+    "MODEL_BOUND_ENGINE_KEYS", "AdaptConfig", "AppConfig", "Autoscaling", "ConfigError",
+    "DraftConfig",
     "EngineConfig", "GrpcTlsConfig", "HttpConfig", "QuotaConfig", "RayConfig", "Resources",
     "RoutingConfig", "SpeculationConfig", "SuffixConfig", "TargetConfig", "lookahead_problem",
     "lookahead_tokens",

@@ -1,8 +1,9 @@
 """The schema of a specserve deployment: one pydantic model, one source of truth.
 
-Owns `AppConfig` and its parts (the target pool, the draft pools, speculation
-settings K and W, the HTTP ingress, the quotas, replica routing, how to reach Ray,
-gRPC TLS: the sections with modules of their own are imported). Every field
+Owns `AppConfig` and its parts (the target pool, the draft pools and their
+online adaptation, speculation settings K and W, the HTTP ingress, the quotas,
+replica routing, how to reach Ray, gRPC TLS: the sections with modules of
+their own are imported). Every field
 carries a `description=`: that text is the reference documentation of every key
 in `cluster/*.yaml` and of the Helm values, which are generated from this model.
 Owns the cross-field checks that must fail at load time, before anything starts
@@ -28,6 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from specserve.config.adapt import AdaptConfig
 from specserve.config.base import _require_non_empty, _Strict
 from specserve.config.loading import (DEFAULT_CONFIG_PATH, MODEL_DRAFT_CONFIG_PATH, ConfigError,
                                       read_yaml, validation_error)
@@ -268,6 +270,11 @@ class DraftConfig(_Strict):
         default_factory=EngineConfig, description="vLLM engine settings of each draft replica.")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Most requests Ray Serve sends to one draft replica at a time.")
+    adapt: AdaptConfig = Field(
+        default_factory=AdaptConfig,
+        description="Online adaptation to the traffic the pool serves (kinds model and "
+                    "hybrid; off by default): what each replica collects of the verified "
+                    "tokens, the guard, the schedule, the weight versions.")
 
     @field_validator("name")
     @classmethod
@@ -293,6 +300,9 @@ class DraftConfig(_Strict):
         if self.kind == "suffix" and self.model is not None:
             raise ValueError(f"model: a suffix pool runs no model, got {self.model!r}; "
                              "remove model or set kind: model")
+        if self.kind == "suffix" and self.adapt.enabled:
+            raise ValueError("adapt.enabled: a suffix pool has no draft model to train; "
+                             "remove adapt or set kind: model (or hybrid)")
         return self
 
     @property

@@ -4,7 +4,8 @@ autoscaling decisions with their reasons (for /v1/spec/stats, /metrics and the
 
 Pure parts (no Ray, no clock): `DecisionLog` keeps the latest decisions,
 `pool_name` maps Serve deployment names to pools, `replica_counts` turns Serve's
-status into counts per pool, `prometheus_lines` exports them.
+status into counts per pool, `with_adapt` adds each draft pool's adaptation
+figures (`specserve.adapt.figures`), `prometheus_lines` exports the counts.
 
 Ray glue (best effort; a failure never touches a decision or a request): the
 autoscaling policies run in the Serve controller (`specserve.control.autoscale`), the
@@ -93,6 +94,28 @@ def replica_counts(deployments: dict[str, dict[str, int]],
                           "states": {}, "running": 0, "min_replicas": lo, "max_replicas": hi}
     # The target first, then the drafts by name.
     return sorted(rows.values(), key=lambda r: (r["pool"] != "target", r["pool"]))
+
+
+def with_adapt(rows: list[dict], figures: dict | str, adapting: set[str]) -> list[dict]:
+    """`replica_counts` rows, each draft pool's with `adapt`: its figures as
+    a replica answered them (TargetServer.draft_adapt), why they are missing
+    ("unavailable: ..."), or None where the pool's adapt is off. figures: pool
+    -> figures, or one "unavailable: ..." for all; adapting: the pools with
+    adapt on. New rows: the ones given are left as they were."""
+    out = []
+    for row in rows:
+        pool = row["pool"]
+        if pool == "target":
+            out.append(row)
+            continue
+        if pool not in adapting:
+            adapt = None
+        elif isinstance(figures, str):
+            adapt = figures
+        else:
+            adapt = figures.get(pool) or "unavailable: no replica answered"
+        out.append({**row, "adapt": adapt})
+    return out
 
 
 def prometheus_lines(pools: list[dict]) -> list[str]:

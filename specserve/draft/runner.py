@@ -17,6 +17,11 @@ the target's verified tokens), each continued a few tokens. The target takes
 one when it rejects our token there with that alternative; then so does the
 runner: its S becomes the branch, and drafting goes on from the branch's end.
 
+Collection (with an AdaptBuffer, `drafts[].adapt`): every request's prompt
+and the target's verified tokens are appended to the buffer as they arrive,
+the examples the draft learns from (specserve/adapt/buffer.py); the buffer
+only reads them, so drafting and drafts are the same with or without it.
+
 Never decides output: the target's rejection sampler does. Knows nothing of HTTP
 or tokenization; talks to sinks through `SinkLink` and to the model through a
 `DraftModel` (vLLM here, a replay of recorded tokens for the synthetic draft).
@@ -248,11 +253,13 @@ class _Request:
 
 class DraftRunner:
     def __init__(self, model: DraftModel, link_factory=None, tls=None,
-                 branches: BranchPlan | None = None, name: str = ""):
+                 branches: BranchPlan | None = None, name: str = "", adapt=None):
         """tls: a specserve.tls.TlsFiles for mutual TLS to the sinks (None: plaintext).
         branches: pre-draft alternatives (needs a model with `branches`; None: none).
-        name: "model/replica", how the sinks' figures name this draft."""
+        name: "model/replica", how the sinks' figures name this draft.
+        adapt: an AdaptBuffer collecting the verified tokens (None: none)."""
         self.model = model
+        self.adapt = adapt
         self.plan = branches if branches is not None and branches.active \
             and hasattr(model, "branches") else None
         self.stats = DraftStats()
@@ -290,6 +297,8 @@ class DraftRunner:
         req = _Request(rid, prompt, link, lookahead, limit, k, ticket)
         self._requests[rid] = req
         self.stats.requests += 1
+        if self.adapt is not None:
+            self.adapt.open(rid, prompt)
         link.open(rid, ticket)
         req.task = asyncio.get_running_loop().create_task(self._run(req), name=f"draft-{rid}")
 
@@ -307,6 +316,8 @@ class DraftRunner:
         rid = req.id
         req.cancelled = True
         req.changed.set()
+        if self.adapt is not None:
+            self.adapt.close(rid)
         forget = getattr(self.model, "forget", None)
         if forget is not None:
             forget(rid)
@@ -382,6 +393,8 @@ class DraftRunner:
         req.verified[position:] = tokens
         if self._observe is not None:
             self._observe(rid, req.verified)
+        if self.adapt is not None:
+            self.adapt.observe(rid, req.verified)
         ours = req.tokens[old:min(end, len(req.tokens))]
         agreed = next((i for i, t in enumerate(ours) if t != req.verified[old + i]), None)
         self.stats.agreed_tokens += len(ours) if agreed is None else agreed

@@ -41,7 +41,7 @@ class DraftWorker:
     def start(cls, model: str, settings: EngineSettings, *, tls=None, cpus: str | None = None,
               replay_path: str | None = None, vocab_size: int | None = None,
               branches: BranchPlan | None = None, name: str = "",
-              suffix=None) -> "DraftWorker":
+              suffix=None, adapt=None) -> "DraftWorker":
         """model: a draft model folder, 'default' (the shipped distilled draft),
         synthetic:A[@Dms][,hH] (needs replay_path and vocab_size: the target's greedy
         outputs and vocabulary), 'suffix' (no model: a suffix memory set by
@@ -49,7 +49,8 @@ class DraftWorker:
         model FOLDER consulting a suffix memory set by `suffix`). tls: mutual TLS to the
         sinks (TlsFiles). cpus: OpenMP core list of a CPU engine (unless the environment sets one).
         branches: pre-draft alternatives (BranchPlan; None: none). name:
-        "model/replica", how the target sinks' figures name this draft."""
+        "model/replica", how the target sinks' figures name this draft. adapt:
+        an AdaptBuffer the runner feeds with the verified tokens (None: none)."""
         from specserve.draft import hybrid as hybrid_draft
         from specserve.draft import suffix as suffix_draft
         from specserve.draft import synthetic
@@ -62,7 +63,8 @@ class DraftWorker:
                 suffix, max_model_len=settings.max_model_len or (1 << 30),
                 vocab_size=vocab_size, fan_out=fan)
             log.info("suffix draft: %s", draft_model.config)
-            return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
+            return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name,
+                                   adapt=adapt), None, [])
         if synthetic.is_synthetic(model):
             if replay_path is None or vocab_size is None:
                 raise ValueError("a synthetic draft needs the target's recorded outputs "
@@ -73,7 +75,8 @@ class DraftWorker:
                 synthetic.parse(model), replay, vocab_size, seed=settings.seed,
                 max_model_len=settings.max_model_len or (1 << 30),
                 fan_out=max(branches.fan_out, 1) if branches is not None else synthetic.FAN_OUT)
-            return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name), None, [])
+            return cls(DraftRunner(draft_model, tls=tls, branches=branches, name=name,
+                                   adapt=adapt), None, [])
         hybrid = hybrid_draft.is_hybrid(model)
         folder = hybrid_draft.model_of(model) if hybrid else model
         engine, procs = cls.start_model_engine(folder, settings, cpus)
@@ -100,7 +103,8 @@ class DraftWorker:
                 fan_out=branches.fan_out if branches is not None and branches.active else 0)
             log.info("hybrid draft: %s with a suffix memory %s", folder, memory.config)
             draft_model = hybrid_draft.HybridDraftModel(draft_model, memory)
-        runner = DraftRunner(draft_model, tls=tls, branches=branches, name=name)
+        runner = DraftRunner(draft_model, tls=tls, branches=branches, name=name,
+                             adapt=adapt)
         return cls(runner, engine, procs)
 
     @staticmethod

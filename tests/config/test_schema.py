@@ -95,6 +95,24 @@ def test_defaults():
     assert cfg.http.max_body_bytes == 4 * 1024 * 1024
     assert cfg.http.api_key is None
     assert DraftConfig(name="d", model="/m").max_ongoing_requests == 256
+    assert DraftConfig(name="d", model="/m").adapt.enabled is False  # off by default
+
+
+def test_every_field_is_described():
+    """The descriptions are the reference of every key (cluster/*.yaml, Helm values)."""
+    def missing(model, path):
+        for name, field in model.model_fields.items():
+            if not (field.description or "").strip():
+                yield f"{path}{name}"
+            for sub in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                    yield from missing(sub, f"{path}{name}.")
+    assert list(missing(AppConfig, "")) == []
+
+
+def test_adapt_is_off_in_every_shipped_config():
+    for path in (DEFAULT_CONFIG_PATH, GPU_EXAMPLE, REPO / "cluster" / "model-draft.yaml"):
+        assert not any(d.adapt.enabled for d in AppConfig.from_yaml(path).drafts), path
 
 
 def test_lookahead_defaults_to_a_whole_window_after_a_full_accept():
@@ -152,6 +170,19 @@ def test_target_only_allows_k_zero():
     ("target: {tensor_parallel_size: 2, resources: {gpus_per_worker: 0.5}}",
      "target: tensor_parallel_size 2 on GPUs needs resources.gpus_per_worker: 1"),
     ("ray: {address: auto, num_cpus: 2}", "ray: num_cpus only sizes a local cluster"),
+    ("drafts: [{name: s, kind: suffix, adapt: {enabled: true}}]",
+     "drafts[0]: adapt.enabled: a suffix pool has no draft model to train"),
+    ("drafts: [{name: a, model: /m, adapt: {max_context_tokens: 2048}}]",
+     "drafts[0].adapt: max_context_tokens (2048) must be less than per_request_tokens (2048)"),
+    ("drafts: [{name: a, model: /m, adapt: {buffer_tokens: 1000}}]",
+     "drafts[0].adapt: per_request_tokens (2048) is greater than buffer_tokens (1000)"),
+    ("drafts: [{name: a, model: /m, adapt: {train_minutes: 40}}]",
+     "drafts[0].adapt: train_minutes (40) is greater than train_every_minutes (30)"),
+    ("drafts: [{name: a, model: /m, adapt: {heldout_share: 1}}]",
+     "drafts[0].adapt.heldout_share:"),
+    ("drafts: [{name: a, model: /m, adapt: {versions_dir: ''}}]",
+     "drafts[0].adapt.versions_dir: versions_dir must not be empty"),
+    ("drafts: [{name: a, model: /m, adapt: {enabld: true}}]", "drafts[0].adapt.enabld:"),
 ])
 def test_validation_errors_name_the_field(tmp_path, text, expected):
     message = load_error(tmp_path, text)

@@ -64,3 +64,16 @@ def test_policies_publish_changed_decisions(monkeypatch):
     ctx.policy_state = state  # the same decision again: not published twice
     autoscale.draft_policy(ctx)
     assert len(published) == 1
+
+
+def test_with_adapt_puts_each_adapting_pools_figures_on_its_row():
+    rows = pools.replica_counts({}, {"target": (1, 1), "a": (1, 2), "b": (1, 1), "c": (1, 1)},
+                                {"a": "model", "b": "model", "c": "hybrid"})
+    figures = {"a": {"version": "v1", "buffer_tokens": 10}, "b": None}
+    out = {r["pool"]: r for r in pools.with_adapt(rows, figures, {"a", "c"})}
+    assert out["a"]["adapt"] == {"version": "v1", "buffer_tokens": 10}
+    assert out["b"]["adapt"] is None  # adapt off
+    assert out["c"]["adapt"] == "unavailable: no replica answered"
+    assert "adapt" not in out["target"] and all("adapt" not in r for r in rows)
+    down = pools.with_adapt(rows, "unavailable: TimeoutError", {"a"})
+    assert [r.get("adapt") for r in down] == [None, "unavailable: TimeoutError", None, None]

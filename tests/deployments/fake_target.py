@@ -72,6 +72,7 @@ class FakeTarget:
         self.ready = FakeRemote(True, hang=not ready)
         self.spec_totals = FakeRemote(lambda: {"step_cost": step_cost, "draft_tokens": 0})
         self.draft_active = FakeRemote({})
+        self.draft_adapt = FakeRemote({})
         self.metrics_report = FakeRemote(lambda: replica_report("t0"))
 
     def options(self, stream=False):

@@ -290,6 +290,34 @@ def test_ops_views_answer_at_once_without_a_target_replica(monkeypatch):
     asyncio.run(go())
 
 
+def test_each_adapting_pool_row_carries_its_replicas_adapt_figures():
+    """/v1/spec/stats: a pool with adapt on shows what a replica of it
+    answered (through a target replica), one with adapt off shows null, and
+    the target replica is not asked at all when no pool adapts."""
+    config = {**json.loads(json.dumps(CONFIG)),
+              "drafts": [{"name": "same", "model": "/nonexistent", "adapt": {"enabled": True}},
+                         {"name": "plain", "model": "/nonexistent"}]}
+    figures = {"version": "v0", "heldout_alpha_serving": None,
+               "heldout_alpha_candidate": None, "buffer_tokens": 120, "heldout_tokens": 30,
+               "swaps": 0, "rollbacks": 0}
+
+    async def go(cfg, names):
+        target = FakeTarget()
+        target.draft_adapt = FakeRemote({"same": figures, "plain": None})
+        r = Router(cfg, target, names, serve_metrics=False)
+        r.ops._serve_status = lambda: {}
+        r.ops._decisions = FakeRemote([]).remote
+        _, _, stats = await answer(r, request("GET", "/v1/spec/stats"))
+        return json.loads(stats), target.draft_adapt.calls
+
+    snap, calls = asyncio.run(go(config, ["same", "plain"]))
+    rows = {row["pool"]: row for row in snap["pools"]}
+    assert rows["same"]["adapt"] == figures and calls == 1
+    assert rows["plain"]["adapt"] is None and "adapt" not in rows["target"]
+    snap, calls = asyncio.run(go(json.loads(json.dumps(CONFIG)), ["same"]))
+    assert [row.get("adapt") for row in snap["pools"]] == [None, None] and calls == 0
+
+
 def test_a_dead_replica_before_the_answer_is_retried_once():
     from ray.exceptions import RayActorError
 

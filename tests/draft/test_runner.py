@@ -157,6 +157,35 @@ def test_many_requests_share_one_link_and_bad_starts_are_refused():
     asyncio.run(main())
 
 
+def test_the_adapt_buffer_collects_the_verified_tokens_and_changes_no_draft():
+    from specserve.adapt.buffer import AdaptBuffer
+
+    async def run(adapt):
+        link = FakeLink()
+        runner = DraftRunner(FakeModel(), link_factory=lambda address: link, adapt=adapt)
+        runner.start("r", [1, 2, 3], "sink:1", lookahead=4, max_tokens=100)
+        runner.start("idle", [7, 8], "sink:1", lookahead=4, max_tokens=100)
+        await settle()
+        full = expected([1, 2, 3], 4)
+        runner._on_verified("r", 3, full[3:5])  # two of ours accepted
+        await settle()
+        runner._on_verified("r", 5, [49])  # a rejection: the target's token
+        await settle()
+        runner._on_verified("r", 3, full[3:5])  # a stale update: nothing new
+        runner.cancel("r")
+        runner.cancel("idle")  # verified nothing: nothing kept
+        await runner.close()
+        return link.drafts
+
+    buffer = AdaptBuffer(1000, 2, 100, heldout_share=0.2)
+    assert asyncio.run(run(buffer)) == asyncio.run(run(None))
+    [example] = buffer.train_examples() + buffer.heldout_examples()
+    assert example.request_id == "r"
+    assert example.context == [2, 3]  # the prompt's last max_context_tokens
+    assert example.continuation == expected([1, 2, 3], 2)[3:] + [49]
+    assert buffer.tokens == 5 and buffer.requests() == 1
+
+
 # ---- branches ---------------------------------------------------------------------
 
 
