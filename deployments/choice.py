@@ -49,7 +49,7 @@ class DraftChoice:
         self.target_replicas = max(t.replicas.max_replicas, 1)
         self.controller.configure(self.k_max, self.replicas,
                                   config.speculation.k_control.thresholds(),
-                                  config.draft_kinds())
+                                  config.draft_kinds(), config.collect_gaps())
 
     # ---- requests in flight ---------------------------------------------------
 

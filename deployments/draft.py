@@ -7,9 +7,10 @@ no later call has to find this same replica again, and a dead draft replica
 simply ends the call: the target goes on alone.
 
 With `adapt.enabled` the replica's runner feeds an AdaptBuffer with the
-verified tokens it receives, and the replica opens its pool's version store
+verified tokens it receives, the replica opens its pool's version store, and
+its DraftAdapter trains, judges and swaps the draft engine's weights
 (specserve/adapt/); `adapt()` answers their figures. The buffer holds user
-text and stays in this process.
+text and stays in this process (and the training process it starts).
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ class DraftServer:
                                         name=f"{self.config.name}/{replica_name()}",
                                         adapt=self.adapt_buffer)
         self.runner = self.worker.runner
+        self.adapter = self._adapter(draft_cpus) if self.versions is not None else None
+
+    def _adapter(self, cpus: str | None):
+        """The pool's DraftAdapter over this replica's engine (kinds model and
+        hybrid; the config refuses adapt on suffix pools)."""
+        from specserve.adapt.adapter import DraftAdapter, reload_weights
+        from specserve.draft.hybrid import is_hybrid, model_of
+        from specserve.models import resolve_draft
+
+        engine = self.worker.engine
+        spec = self.config.draft_spec
+        source = str(resolve_draft(model_of(spec) if is_hybrid(spec) else spec))
+        return DraftAdapter(self.config.adapt, self.adapt_buffer, self.versions, source,
+                            load=lambda folder: reload_weights(engine, folder), cpus=cpus)
 
     def _open_versions(self):
         """The pool's version store (v0: this pool's model); None, with a
@@ -71,9 +86,17 @@ class DraftServer:
         the draft worker's one entry point, DraftWorker.draft); ticket: the
         one the target registered the request with at its sink."""
         log.debug("drafting %s for %s", request_id, sink_address)
+        self._start_adapter()
+        version = {"version": self.adapter.loaded} if self.adapter is not None else {}
         async for hello in self.worker.draft(request_id, prompt_ids, sink_address, lookahead,
                                              max_tokens, k, ticket):
-            yield {**hello, "replica": replica_name(), "model": self.config.name}
+            yield {**hello, "replica": replica_name(), "model": self.config.name, **version}
+
+    def _start_adapter(self) -> None:
+        """Its loop runs on the replica's event loop (started from a call: the
+        constructor may run outside it)."""
+        if self.adapter is not None and self.adapter.task is None:
+            self.adapter.start()
 
     def active(self) -> int:
         """Requests this replica is drafting for now."""
@@ -96,7 +119,17 @@ class DraftServer:
         if self.adapt_buffer is None:
             return None
         return adapt_figures(self.adapt_buffer,
-                             self.versions.figures() if self.versions is not None else None)
+                             self.versions.figures() if self.versions is not None else None,
+                             self.adapter.figures if self.adapter is not None else None,
+                             self.adapter.loaded if self.adapter is not None else None)
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown of the replica: a training round stops
+        and the pool's train lock goes with it (specserve.adapt.adapter)."""
+        adapter = getattr(self, "adapter", None)
+        if adapter is not None:
+            adapter.abandon()
 
     async def check_health(self) -> None:
+        self._start_adapter()
         await self.worker.check_health()

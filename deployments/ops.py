@@ -93,10 +93,6 @@ async def _within(awaitable, what: str):
         return f"unavailable: {type(e).__name__}"
 
 
-async def _nothing() -> dict:
-    return {}
-
-
 class OpsViews:
     def __init__(self, stats: SpecStats, choice, target, bounds: dict[str, tuple[int, int]],
                  kinds: dict[str, str], serve_status=None, decisions=None, metrics=None,
@@ -260,6 +256,13 @@ class OpsViews:
         self._pools = (time.monotonic(), rows)
         return rows
 
+    async def _adapt_figures(self) -> dict | str:
+        """Each draft pool's adaptation figures (pools.with_adapt's `figures`),
+        asked only when some pool adapts (a target replica asks the pools)."""
+        if not self.adapting:
+            return {}
+        return await _within(self.target.draft_adapt.remote(), "a target replica")
+
     async def stats_json(self) -> dict:
         c = self.choice
         # Remote figures first (a target replica's report goes to the ledger
@@ -271,9 +274,7 @@ class OpsViews:
             self.pool_rows(),
             _within(self._decisions(), "the autoscaler"),
             self._refresh_replica(),
-            # asked only when some pool adapts (a target replica asks the pool)
-            _within(self.target.draft_adapt.remote(), "a target replica")
-            if self.adapting else _nothing())
+            self._adapt_figures())
         figures = await self._figures()
         replicas = figures["replicas"]
         snap = figures["stats"].snapshot(time.time(), self.kinds)
@@ -320,7 +321,8 @@ class OpsViews:
         return snap
 
     async def metrics_text(self) -> str:
-        await self._refresh_replica()
+        _, pool_rows, adapt = await asyncio.gather(
+            self._refresh_replica(), self.pool_rows(), self._adapt_figures())
         figures = await self._figures()
         now = time.time()
         stats, replicas = figures["stats"], figures["replicas"]
@@ -328,7 +330,7 @@ class OpsViews:
         replicas.prune(now)
         lines = [*prometheus_lines(stats, now, self.kinds),
                  *figures["outcomes"].prometheus_lines(),
-                 *pools.prometheus_lines(await self.pool_rows()),
+                 *pools.prometheus_lines(pools.with_adapt(pool_rows, adapt, self.adapting)),
                  *replicas.prometheus_lines(now, self.kinds)]
         return "\n".join(lines) + "\n"
 

@@ -43,6 +43,14 @@ def reference(tiny_models) -> list[list[int]]:
     return greedy_reference(tiny_models["target"], PROMPTS, MAX_TOKENS)
 
 
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    """A tiny seeded draft for the online-adaptation tests (tests/adapt_models.py)."""
+    from adapt_models import build_tiny_draft
+
+    return build_tiny_draft(tmp_path_factory.mktemp("adapt") / "draft")
+
+
 # On real hardware the target is many times slower per step than its draft; with
 # tiny models on two shared cores both take the same few milliseconds, and a draft
 # no faster than its target cannot run ahead of it. Tests that need drafts to

@@ -250,3 +250,35 @@ def test_serve_takes_api_keys_from_a_file_not_argv(tiny_models, tmp_path, monkey
                                 "--api-key-file", str(tmp_path / "nope")))
     with pytest.raises(SystemExit):  # one source of keys on the command line
         serve_args("--api-key", "k", "--api-key-file", str(keys))
+
+
+def test_sigterm_ends_a_command_through_its_cleanup():
+    """`kill` / `timeout` on a command: its `finally` and `async with` blocks
+    (where engines are shut down) run and it exits 143; Python's default would
+    end it at once and leave vLLM's engine processes running without it."""
+    import subprocess
+    import sys
+
+    script = """
+import asyncio, os, signal, sys
+import specserve.cli as cli
+
+async def body():
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(60)
+    finally:
+        print("cleaned up", flush=True)
+
+def generate(args):
+    asyncio.run(body())
+    return 0
+
+cli.run_generate = generate
+sys.exit(cli.main(["generate", "--prompt", "x"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stdout == "cleaned up\n"
+    assert "terminated (SIGTERM)" in proc.stderr and "Traceback" not in proc.stderr

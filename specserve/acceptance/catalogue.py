@@ -123,6 +123,28 @@ CATALOGUE: tuple[Metric, ...] = (
     # -- Serve's pools (specserve.control.pools) --------------------------------
     _g("specserve_pool_replicas", "Running replicas per pool (target or draft model).",
        ("pool", "kind")),
+    # -- online draft adaptation per draft pool, as one replica of the pool
+    # answers (specserve.adapt.figures via specserve.control.pools) ------------
+    _g("specserve_adapt_heldout_alpha_serving",
+       "Held-out alpha of the serving draft weights, latest measure (no sample until "
+       "measured).", ("pool", "kind")),
+    _g("specserve_adapt_heldout_alpha_candidate",
+       "Held-out alpha of the latest candidate draft weights (no sample until one is "
+       "judged).", ("pool", "kind")),
+    _g("specserve_adapt_buffer_tokens",
+       "Tokens kept in the adaptation buffer (held-out ones included).",
+       ("pool", "kind")),
+    _g("specserve_adapt_heldout_tokens",
+       "Tokens of the buffer held out of training to judge candidates.",
+       ("pool", "kind")),
+    _g("specserve_adapt_train_seconds", "Training seconds of the latest adaptation round.",
+       ("pool", "kind")),
+    _c("specserve_adapt_swaps_total", "Draft weight versions promoted to serve (swaps).",
+       ("pool", "kind")),
+    _c("specserve_adapt_rollbacks_total", "Rollbacks to the previously serving version.",
+       ("pool", "kind")),
+    _g("specserve_adapt_version_info", "The serving draft weight version (1 on its label).",
+       ("pool", "kind", "version")),
     # -- per target replica, from its engine and draft sink --------------------
     _g("specserve_target_batch_size", "Running requests in the target engine.", TARGET,
        "target"),

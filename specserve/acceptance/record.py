@@ -219,3 +219,4 @@ class TargetReport:
     target_running: int = 0  # the target engine's batch when the request finished
     target_waiting: int = 0  # ... and its queue
     draft_lag: float | None = None  # tokens the draft replica was recently behind
+    draft_version: str | None = None  # the draft weights' version (adapting pools: v0, v1, ...)

@@ -1,6 +1,6 @@
 """The acceptance picture: finished requests' acceptance records added up per
-draft model, per draft replica and per target replica, and the end-to-end
-latencies of recent requests.
+draft model, per draft replica, per draft weights' version (adapting pools)
+and per target replica, and the end-to-end latencies of recent requests.
 
 Owns the aggregation only (pure: no Ray, no HTTP, no clock of its own); every
 figure is `specserve.acceptance.record`'s. The records come from vLLM's own
@@ -81,6 +81,7 @@ class SpecStats:
         self.by_model: dict[str, Figures] = {}
         self.by_replica: dict[tuple[str, str], Figures] = {}
         self.by_target: dict[str, Figures] = {}
+        self.by_version: dict[tuple[str, str], Figures] = {}  # (model, version)
         self.target_only = Figures()
         self.recent: deque[RequestRecord] = deque(maxlen=window)
         self.current_k: dict[str, int] = {}
@@ -98,6 +99,9 @@ class SpecStats:
             self.by_replica.setdefault((rep.draft_model, rep.draft_replica or "?"),
                                        Figures()).add(acc)
             self.last_seen[("draft", rep.draft_model, rep.draft_replica or "?")] = r.finished_at
+            if rep.draft_version is not None:
+                self.by_version.setdefault((rep.draft_model, rep.draft_version),
+                                           Figures()).add(acc)
         self.last_seen[("target", rep.target_replica)] = r.finished_at
         self.by_target.setdefault(rep.target_replica, Figures()).add(acc)
         self.target_live[rep.target_replica] = {"batch_size": rep.target_running,
@@ -165,9 +169,12 @@ class SpecStats:
         models = [{"model": m, "replica": "*", "kind": kind_of(m, kinds),
                    "k": self.current_k.get(m, self.k),
                    **f.as_dict()} for m, f in sorted(self.by_model.items())]
+        versions = [{"model": m, "version": v, **f.as_dict()}
+                    for (m, v), f in sorted(self.by_version.items())]
         targets = [{"replica": t, **f.as_dict(), **self.target_live.get(t, {}),
                     "output_tokens_per_s": self._target_rate(t, now)}
                    for t, f in sorted(self.by_target.items())]
-        return {"drafts": drafts, "draft_models": models, "targets": targets,
+        return {"drafts": drafts, "draft_models": models, "draft_versions": versions,
+                "targets": targets,
                 "target_only": self.target_only.as_dict(),
                 "end_to_end": self.end_to_end(now)}

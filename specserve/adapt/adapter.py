@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from specserve.adapt.buffer import AdaptBuffer, Example
+from specserve.adapt.figures import RoundFigures
 from specserve.adapt.guard import HeldOutAlpha, judge
 from specserve.adapt.versions import SHIPPED, VersionStore
 
@@ -43,6 +44,14 @@ log = logging.getLogger(__name__)
 
 POLL_S = 5.0  # how often a replica looks at the store's current version
 LOCK = "train.lock"
+HEAD = ".head"  # + "-" + the version it was trained from
+
+
+def progress(serving: HeldOutAlpha, candidate: HeldOutAlpha) -> bool:
+    """Whether a refused candidate is worth training on: it did at least as
+    well as the serving weights on the held-out slice."""
+    return (serving.alpha is not None and candidate.alpha is not None
+            and candidate.alpha >= serving.alpha)
 
 
 def cores(spec: str | None) -> list[int]:
@@ -56,13 +65,27 @@ def cores(spec: str | None) -> list[int]:
 
 
 def _training_process(threads: int, cpus: str | None) -> None:
-    """The training process: below drafting in priority, on the draft's cores."""
+    """The training process: below drafting in priority, on the draft's cores,
+    and gone with its replica (Linux: the parent's death kills it)."""
     import torch
 
+    _die_with_parent()
     os.nice(10)
     if cores(cpus):
         os.sched_setaffinity(0, cores(cpus))
     torch.set_num_threads(threads)
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: SIGKILL this process when the process that started it
+    ends, so a round never outlives its replica (a no-op off Linux)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def measure(folder: str, heldout: list[Example], threads: int) -> tuple[int, int]:
@@ -72,28 +95,17 @@ def measure(folder: str, heldout: list[Example], threads: int) -> tuple[int, int
     return heldout_alpha(folder, heldout, threads=threads)
 
 
-def train_round(src: str, train: list[Example], heldout: list[Example], out: str,
-                minutes: float, threads: int, lr: float) -> dict:
-    """In the training process: serving alpha, a fine-tuned copy in `out`, its alpha."""
+def train_round(serving_folder: str, start: str, train: list[Example], heldout: list[Example],
+                out: str, minutes: float, threads: int, lr: float) -> dict:
+    """In the training process: the serving weights' alpha, a copy of `start`
+    (the serving weights, or the training head) fine-tuned into `out`, its alpha."""
     from specserve.adapt.train import fine_tune
 
-    serving = measure(src, heldout, threads)
-    result = fine_tune(src, train, out, minutes=minutes, threads=threads, lr=lr)
+    serving = measure(serving_folder, heldout, threads)
+    result = fine_tune(start, train, out, minutes=minutes, threads=threads, lr=lr)
     candidate = measure(out, heldout, threads)
     return {"serving": serving, "candidate": candidate,
             "train": dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result}
-
-
-@dataclasses.dataclass
-class RoundFigures:
-    """The latest measurements, for `specserve.adapt.figures`."""
-
-    serving: HeldOutAlpha | None = None  # the serving weights, latest measure
-    candidate: HeldOutAlpha | None = None  # the latest candidate
-    started: HeldOutAlpha | None = None  # the serving weights when they started serving
-    rounds: int = 0
-    train_seconds: float = 0.0  # the latest round's
-    last: str = ""  # what the latest round did, in words
 
 
 class DraftAdapter:
@@ -145,6 +157,31 @@ class DraftAdapter:
             await asyncio.gather(self.task, return_exceptions=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def abandon(self) -> None:
+        """The replica is going (`DraftServer.__del__`; synchronous, as a
+        destructor must be): the loop is cancelled, a round's training process
+        killed, and the pool's train lock, where this replica holds it, removed
+        at once rather than left to expire."""
+        if self.task is not None:
+            self.task.cancel()
+        if self._pool is not None:
+            processes = list((getattr(self._pool, "_processes", None) or {}).values())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for p in processes:  # a running round is not cancelled by shutdown
+                p.kill()
+            self._pool = None
+        root = getattr(self.versions, "root", None)
+        if root is None:
+            return
+        lock = Path(root) / LOCK
+        try:
+            if lock.read_text() == str(os.getpid()):
+                lock.unlink(missing_ok=True)
+        except OSError:
+            pass
+        for out in Path(root).glob(f".candidate-{os.getpid()}"):
+            shutil.rmtree(out, ignore_errors=True)
 
     # ---- following the pool's version --------------------------------------------------
 
@@ -207,8 +244,9 @@ class DraftAdapter:
             self.figures.started = serving
 
     async def round(self) -> str | None:
-        """One training round; the new version if the guard let it serve."""
-        self._last_round = self._last_check = self.clock()
+        """One training round; the new version if the guard let it serve. A
+        round that cannot run yet (too little data, another replica training)
+        leaves the schedule due: it is tried again at the next poll."""
         waiting = self._enough()
         if waiting is not None:
             self.figures.last = waiting
@@ -217,15 +255,17 @@ class DraftAdapter:
         if not self._take(lock):
             self.figures.last = "another replica of the pool is training"
             return None
+        self._last_round = self._last_check = self.clock()
         out = self.versions.root / f".candidate-{os.getpid()}"
         try:
             shutil.rmtree(out, ignore_errors=True)
             parent = self.loaded
+            head = self.head(parent)
             started = time.monotonic()
             result = await self._run(
-                train_round, self.folder(parent), self.buffer.train_examples(),
-                self.buffer.heldout_examples(), str(out), self.config.train_minutes,
-                self.config.train_threads, self.config.learning_rate)
+                train_round, self.folder(parent), str(head) if head else self.folder(parent),
+                self.buffer.train_examples(), self.buffer.heldout_examples(), str(out),
+                self.config.train_minutes, self.config.train_threads, self.config.learning_rate)
             serving = HeldOutAlpha.of(result["serving"])
             candidate = HeldOutAlpha.of(result["candidate"])
             f = self.figures
@@ -239,8 +279,14 @@ class DraftAdapter:
             version = self.versions.record_candidate(
                 parent, serving.alpha, candidate.alpha, decision.reason,
                 weights=out if decision.swap else None)
-            f.last = f"{version}: {decision.reason}"
+            t = result.get("train") or {}
+            f.last = (f"{version}: {decision.reason}; trained "
+                      f"{'on from the last candidate' if head else f'from {parent}'}: "
+                      f"{t.get('steps', '?')} steps, loss {t.get('loss_first', float('nan')):.2f}"
+                      f" -> {t.get('loss_last', float('nan')):.2f}")
             log.info("adapt: %s", f.last)
+            self._keep_head(parent, out if not decision.swap and progress(serving, candidate)
+                            else None)
             if not decision.swap:
                 return None
             self.versions.promote(version, decision.reason)
@@ -250,6 +296,25 @@ class DraftAdapter:
         finally:
             shutil.rmtree(out, ignore_errors=True)
             lock.unlink(missing_ok=True)
+
+    # ---- the training head ----------------------------------------------------------
+
+    def head(self, base: str) -> Path | None:
+        """The training head on `base`: the latest refused candidate trained
+        from it that still did better than it on the held-out slice. The next
+        round trains on from there (rounds add up, on a busy draft core each
+        gets little CPU); a swap, a rollback or a candidate that did worse
+        starts over from the serving weights."""
+        path = self.versions.root / f"{HEAD}-{base}"
+        return path if (path / "config.json").is_file() else None
+
+    def _keep_head(self, base: str, candidate: Path | None) -> None:
+        """Make `candidate` the head on `base` (None: no head); heads on other
+        versions go."""
+        for old in self.versions.root.glob(f"{HEAD}-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        if candidate is not None:
+            os.replace(candidate, self.versions.root / f"{HEAD}-{base}")
 
     def _take(self, lock: Path) -> bool:
         """The pool's train lock; one left by a round that died is taken over

@@ -14,12 +14,15 @@ error and exit code 2, before any engine starts. Commands:
   specserve simulate         capacity simulator (pure; specserve/tools/simulate/)
 
 `generate --json` prints exactly one JSON object on stdout; everything else
-(vLLM's logs included) goes to stderr.
+(vLLM's logs included) goes to stderr. SIGTERM (`kill`, `timeout`) ends every
+command the way Ctrl-C does: the engines it started are shut down on the way
+out (exit 143), never left running without it (`serve` has its own handler).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from specserve.cli.common import UsageError
@@ -31,11 +34,23 @@ from specserve.cli.tools import run_bench, run_distill
 __all__ = ["UsageError", "build_parser", "main"]
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so that every `finally` and
+    `async with` on the way out runs (engines shut down); Python's default
+    would end the process at once and orphan vLLM's engine processes."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command != "serve":
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         if args.command == "generate":
             return run_generate(args)
@@ -49,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             from specserve.tools.simulate.cli import run as run_simulate
 
             return run_simulate(args)
+        if args.command == "adapt":
+            from specserve.cli.adapt import run as run_adapt
+
+            return run_adapt(args)
         if args.command == "models" and args.models_command == "default":
             from specserve.models import ensure_default_draft, ensure_default_model
 
@@ -67,4 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        print("specserve: terminated (SIGTERM); engines shut down", file=sys.stderr)
+        return 143
     return 2

@@ -186,4 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "local cache; print both paths (target first)")
     from specserve.tools.simulate.cli import add_parser as add_simulate
     add_simulate(sub)
+    from specserve.cli.adapt import add_parser as add_adapt
+    add_adapt(sub)
     return p

@@ -43,8 +43,13 @@ def run_bench(args) -> int:
         raise UsageError(f"systems {sorted(needs_draft)} need --draft PATH (a draft model "
                          "with the target's tokenizer); or choose --systems target_only "
                          "specserve_synthetic")
-    if draft is not None:
-        problem = tokenizers_compatible(target, draft)
+    if ("specserve_adapted" in args.systems) != (args.adapted_draft is not None):
+        raise UsageError("--adapted-draft PATH and --systems ... specserve_adapted go together "
+                         "(the row that runs the adapted draft)")
+    if args.adapted_draft is not None:
+        args.adapted_draft = draft_dir(args.adapted_draft)
+    for folder in (draft, args.adapted_draft):
+        problem = folder is not None and tokenizers_compatible(target, folder)
         if problem:
             raise UsageError(problem)
     try:

@@ -1,7 +1,11 @@
 """The specserve application config: one pydantic model, one source of truth.
 
-- `schema`: `AppConfig` and its parts, every field described, the cross-field
-  checks, `with_overrides` (the CLI's flags);
+- `schema`: `AppConfig`, the whole deployment (with the router and Ray
+  sections), every field described, the checks across sections,
+  `with_overrides` (the CLI's flags);
+- `pools`: the target pool and the draft pools (`TargetConfig`, `DraftConfig`);
+- `replicas`: what each replica of a pool is given (replica bounds, Ray
+  resources, vLLM engine settings);
 - `loading`: YAML files in, `ConfigError` lines ("field.path: problem") out;
 - `speculation`: K, W, branches, the bounded wait, the K controller's thresholds
   (`kcontrol`), the W > K rule;
@@ -19,9 +23,12 @@ Import from here: `from specserve.config import AppConfig, ConfigError, ...`.
 
 from specserve.config.adapt import AdaptConfig
 from specserve.config.grpc_tls import GrpcTlsConfig
+from specserve.config.http import HttpConfig
 from specserve.config.loading import DEFAULT_CONFIG_PATH, ConfigError
 from specserve.config.naming import DRAFT_NAME_MAX_LEN, DRAFT_NAME_RE
+from specserve.config.pools import DraftConfig, TargetConfig
 from specserve.config.quotas import QuotaConfig
+from specserve.config.replicas import Autoscaling, EngineConfig, Resources
 from specserve.config.routing import RoutingConfig
 from specserve.config.speculation import (
     MAX_SPECULATIVE_TOKENS,
@@ -29,17 +36,7 @@ from specserve.config.speculation import (
     lookahead_problem,
     lookahead_tokens,
 )
-from specserve.config.schema import (
-    MODEL_BOUND_ENGINE_KEYS,
-    AppConfig,
-    Autoscaling,
-    DraftConfig,
-    EngineConfig,
-    HttpConfig,
-    RayConfig,
-    Resources,
-    TargetConfig,
-)
+from specserve.config.schema import MODEL_BOUND_ENGINE_KEYS, AppConfig, RayConfig
 from specserve.config.suffix import SuffixConfig
 
 __all__ = [

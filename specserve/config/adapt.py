@@ -4,7 +4,7 @@ Owns `AdaptConfig`: whether a draft pool learns the traffic it serves, the
 bounds of what each replica keeps of it (`specserve.adapt.buffer`), the
 guard's margin and minimum held-out positions (`specserve.adapt.guard`), when
 and how long training runs, and where the weights' versions live
-(`specserve.adapt.versions`). Part of `DraftConfig` (specserve/config/schema.py),
+(`specserve.adapt.versions`). Part of `DraftConfig` (specserve/config/pools.py),
 so of the code part: a change restarts the pool's replicas.
 """
 
@@ -57,16 +57,34 @@ class AdaptConfig(_Strict):
     train_threads: int = Field(
         1, ge=1, description="CPU threads one training run uses, at a lower priority than "
                              "drafting.")
+    learning_rate: float = Field(
+        1e-3, gt=0, le=0.1, description="Peak learning rate of a training run (AdamW, "
+                                        "warm-up then cosine decay over train_minutes, as "
+                                        "`specserve distill`).")
     alpha_drop_trigger: float | None = Field(
         0.05, gt=0, lt=1, description="Train before the schedule when the serving weights' "
                                       "held-out alpha falls this far (alpha points) below "
                                       "its value when they started serving. Null: on the "
                                       "schedule only.")
+    collect_share: float = Field(
+        0.25, ge=0, le=1, description="Least share of requests routed through this pool "
+                                      "while the K controller finds that its drafts do not "
+                                      "pay (a probe at least every 1/share requests): a "
+                                      "pool learns only from the requests it drafts for. "
+                                      "The price: those requests run with drafts that do "
+                                      "not pay (speed, never correctness). 0: only the "
+                                      "controller's own probes.")
     versions_dir: str | None = Field(
         None, description="Folder of this pool's weight versions and their manifest (v0: "
                           "the shipped draft), on the replicas' node. Null: "
                           "adapt/POOL under the specserve cache ($SPECSERVE_CACHE, "
                           "~/.cache/specserve).")
+
+    def collect_gap(self) -> int | None:
+        """Most requests between two of this pool's (collect_share); None: no floor."""
+        if not self.enabled or self.collect_share <= 0:
+            return None
+        return max(1, round(1 / self.collect_share))
 
     def versions_root(self, pool: str) -> Path:
         """The folder of `pool`'s versions: versions_dir, or adapt/POOL under the cache."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specserve.config.schema import AppConfig, Autoscaling, Resources
+from specserve.config.replicas import Autoscaling, Resources
+from specserve.config.schema import AppConfig
 
 # Serve deployment names, as deployments/app.py names them.
 TARGET_DEPLOYMENT = "target"

@@ -18,9 +18,11 @@ class KControlConfig(_Strict):
         4, ge=1, description="Requests after which a pool is judged even if it drafted fewer "
                              "than min_drafted_tokens (drafts that never arrive in time).")
     min_steps: int = Field(
-        32, ge=1, description="Target steps of a pool's finished requests after which it is "
-                              "judged even if it drafted fewer than min_drafted_tokens: its "
-                              "coverage over them is known (drafts that seldom arrive in time).")
+        32, ge=1, description="Target steps of a model or hybrid pool's finished requests "
+                              "after which it is judged even if it drafted fewer than "
+                              "min_drafted_tokens: its coverage over them is known (drafts that "
+                              "seldom arrive in time). Suffix pools, which cost no core and no "
+                              "wait, are judged on min_drafted_tokens or min_requests only.")
     probe_every: int = Field(
         16, ge=1, description="When no pool's K is above 0, a pool gets one request at full K "
                               "(a probe) this many requests after its last at K > 0, so that a "
@@ -30,8 +32,9 @@ class KControlConfig(_Strict):
         256, ge=1, description="The longest gap between probes (requests); at least "
                                "probe_every.")
     margin: float = Field(
-        0.03, ge=0, description="With measured step costs, speculate only when the predicted "
-                                "rate beats K=0 by this share (0.03: 3 %).")
+        0.03, ge=0, description="Speculate only when the predicted rate beats K=0 by this "
+                                "share (0.03: 3 %); for a suffix pool, by this share of its "
+                                "coverage (the steps it drafts for are this much faster).")
 
     def thresholds(self):
         from specserve.control.policy import Thresholds

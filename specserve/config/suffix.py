@@ -3,7 +3,7 @@
 Owns `SuffixConfig`: the bounds of the suffix memory (tokens, requests, tokens
 per request, trie depth), SuffixDecoding's drafting rule (length from the match,
 minimum probability) and whether the memory is shared across requests (the
-fleet memory). Part of `AppConfig` (specserve/config/schema.py); the memory is
+fleet memory). Part of `DraftConfig` (specserve/config/pools.py); the memory is
 specserve/draft/suffix_tree.py, the draft specserve/draft/suffix.py.
 """
 

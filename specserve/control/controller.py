@@ -32,12 +32,14 @@ COST_REFRESH_S = 2.0
 class KController:
     def __init__(self, k_max: int, pools: dict[str, int],
                  thresholds: policy.Thresholds = policy.Thresholds(),
-                 kinds: dict[str, str] | None = None):
+                 kinds: dict[str, str] | None = None, collect_gaps: dict[str, int] | None = None):
         """k_max: the target's K; pools: draft pool name -> its replicas; kinds:
-        AppConfig.draft_kinds() (shown with each pool's inputs)."""
+        AppConfig.draft_kinds() (shown with each pool's inputs); collect_gaps:
+        adapting pool -> its collect gap (AppConfig.collect_gaps())."""
         self.k_max = k_max
         self.pools = dict(pools)
         self.kinds = dict(kinds or {})
+        self.collect_gaps = dict(collect_gaps or {})
         self.thresholds = thresholds
         self.turn = 0
         self.last: policy.Choice | None = None
@@ -50,11 +52,14 @@ class KController:
         self.decisions: collections.Counter = collections.Counter()
 
     def configure(self, k_max: int, pools: dict[str, int],
-                  thresholds: policy.Thresholds, kinds: dict[str, str] | None = None) -> None:
+                  thresholds: policy.Thresholds, kinds: dict[str, str] | None = None,
+                  collect_gaps: dict[str, int] | None = None) -> None:
         """New settings while running (the live config): K, replicas per pool,
-        thresholds, kinds. What was measured and the probe spacing are kept."""
+        thresholds, kinds, collect gaps. What was measured and the probe
+        spacing are kept."""
         self.k_max, self.pools, self.thresholds = k_max, dict(pools), thresholds
         self.kinds = dict(kinds or {})
+        self.collect_gaps = dict(collect_gaps or {})
         for name in self.pools:
             self.idle.setdefault(name, 0)
             self.probes.setdefault(name, 0)
@@ -79,7 +84,8 @@ class KController:
                 name=name, draft_tokens=f.draft_tokens, alpha=f.alpha, coverage=f.coverage,
                 requests=f.requests, inflight=inflight.get(name, 0), replicas=replicas,
                 steps=f.steps, idle=self.idle[name], probes=self.probes[name],
-                wait_s=waits.get(name, 0.0)))
+                wait_s=waits.get(name, 0.0), collect_gap=self.collect_gaps.get(name),
+                runs_model=kind_of(name, self.kinds) != "suffix"))
         if cost is None:
             rows = 1.0
         choice = policy.choose(views, self.k_max, load, self.turn, cost, rows, th)

@@ -55,10 +55,10 @@ class Thresholds:
 
     min_drafted_tokens: int = 64  # drafted tokens before a pool's acceptance is trusted ...
     min_requests: int = 4  # ... unless this many requests went to it and drafted little
-    min_steps: int = 32  # ... or its requests took this many target steps (coverage known)
+    min_steps: int = 32  # ... or (model pools) its requests took this many target steps
     probe_every: int = 16  # a pool held at K=0 is re-measured this many requests after its last at K>0,
     max_probe_every: int = 256  # ... twice as long after each probe that did not pay, up to this
-    margin: float = 0.03  # with measured step costs, speculate only when predicted this much faster
+    margin: float = 0.03  # speculate only when predicted this much faster (pool_margin)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -179,6 +179,9 @@ class PoolView:
     idle: int = 0  # requests routed since this pool last ran one at K > 0
     probes: int = 0  # probes since its figures last gave it K > 0
     wait_s: float = 0.0  # seconds per step the target held for its drafts (measured)
+    collect_gap: int | None = None  # adapting pools: at most this many requests between
+    #                                 their requests at K > 0 (adapt.collect_share), to learn from
+    runs_model: bool = True  # False: a suffix memory, whose drafts cost no core and no wait
 
 
 def probe_gap(probes: int, th: Thresholds = Thresholds()) -> int:
@@ -190,13 +193,24 @@ def probe_gap(probes: int, th: Thresholds = Thresholds()) -> int:
     return min(th.probe_every << min(max(probes, 0), 30), max(th.max_probe_every, th.probe_every))
 
 
+def pool_gap(p: PoolView, th: Thresholds = Thresholds()) -> int:
+    """A pool's probe gap; an adapting pool's is at most its collect gap: a
+    draft that learns from the traffic it drafts for must keep getting some."""
+    gap = probe_gap(p.probes, th)
+    return min(gap, p.collect_gap) if p.collect_gap else gap
+
+
 def is_fresh(p: PoolView, th: Thresholds = Thresholds()) -> bool:
-    """Too little measured to judge. A pool whose drafts seldom arrive in time
-    drafts few tokens, so it is judged once its requests took th.min_steps
-    target steps (its coverage over them is known to within about ±0.09) or
-    after th.min_requests requests, whichever comes first."""
+    """Too little measured to judge: fewer than th.min_drafted_tokens drafted
+    and fewer than th.min_requests requests. A model pool whose drafts seldom
+    arrive in time drafts few tokens while its engine takes a core and the
+    target waits for it, so it is judged sooner, once its requests took
+    th.min_steps target steps (its coverage over them is known to within about
+    ±0.09). A suffix memory costs neither, and whether it pays is a matter of
+    its acceptance (its margin scales with coverage: pool_margin), which a few
+    drafted tokens do not tell: the steps rule does not judge it."""
     return (p.draft_tokens < th.min_drafted_tokens and p.requests < th.min_requests
-            and p.steps < th.min_steps)
+            and (p.steps < th.min_steps or not p.runs_model))
 
 
 def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,
@@ -205,7 +219,23 @@ def pool_k(p: PoolView, k_max: int, load: float, cost: StepCost | None = None,
     and coverage against the target's step cost (measured, or modelled from load)."""
     if is_fresh(p, th):
         return k_max
-    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, th.margin, p.wait_s)
+    return choose_k(p.alpha, k_max, load, cost, rows, p.coverage, pool_margin(p, th), p.wait_s)
+
+
+def pool_margin(p: PoolView, th: Thresholds = Thresholds()) -> float:
+    """The gain over K = 0 a pool's K > 0 must be predicted to bring.
+
+    A model pool: th.margin. Its draft works on every step of its requests,
+    and the target may wait for it, whether or not its drafts arrive in time
+    (coverage), so what it costs beyond the rate model does not shrink with
+    coverage. A suffix memory: th.margin × coverage, i.e. the steps it drafts
+    for must be predicted th.margin faster. It costs nothing where it has no
+    match, so its gain, and the error in it (from α and b), both scale with
+    its coverage: one that matches 4 % of the steps well is not held at K = 0
+    for a gain that can never exceed 4 %."""
+    if p.runs_model:
+        return th.margin
+    return th.margin * min(max(p.coverage, 0.0), 1.0)
 
 
 def describe_cost(cost: StepCost | None, load: float, rows: float) -> str:
@@ -232,9 +262,10 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
     at full K. Otherwise the pool with the best predicted speedup (its
     acceptance and coverage against the target's step cost), discounted by how
     busy its replicas are, wins, with its own K. When no pool's K is above 0,
-    a pool idle for `probe_gap` requests gets a probe at full K (the longest
+    a pool idle for `pool_gap` requests gets a probe at full K (the longest
     idle first) so that a recovery (better acceptance or coverage, lighter
-    load) is noticed; when not even a perfect draft would pay (saturated
+    load, or an adapting pool's new weights) is noticed and an adapting pool
+    keeps learning; when not even a perfect draft would pay (saturated
     target), nobody speculates.
     """
     if not pools or k_max <= 0:
@@ -258,7 +289,7 @@ def choose(pools: list[PoolView], k_max: int, load: float, turn: int,
                       f"coverage {best.coverage:.2f}, {how} -> K={k}")
     if choose_k(1.0, k_max, load, cost, rows) == 0:
         return Choice(None, 0, f"target saturated ({how}): no speculation")
-    due = [p for p in pools if p.idle >= probe_gap(p.probes, th)]
+    due = [p for p in pools if p.idle >= pool_gap(p, th)]
     if due:
         p = max(due, key=lambda p: p.idle)
         return Choice(p.name, k_max, f"probing {p.name} after {p.idle} requests at K=0 "

@@ -5,7 +5,9 @@ autoscaling decisions with their reasons (for /v1/spec/stats, /metrics and the
 Pure parts (no Ray, no clock): `DecisionLog` keeps the latest decisions,
 `pool_name` maps Serve deployment names to pools, `replica_counts` turns Serve's
 status into counts per pool, `with_adapt` adds each draft pool's adaptation
-figures (`specserve.adapt.figures`), `prometheus_lines` exports the counts.
+figures (`specserve.adapt.figures`), `prometheus_lines` exports the counts
+and those figures (`ADAPT_GAUGES`, the swaps and rollbacks counters, the
+serving version as an info gauge).
 
 Ray glue (best effort; a failure never touches a decision or a request): the
 autoscaling policies run in the Serve controller (`specserve.control.autoscale`), the
@@ -118,10 +120,40 @@ def with_adapt(rows: list[dict], figures: dict | str, adapting: set[str]) -> lis
     return out
 
 
+# /metrics family -> its `adapt` figure. A null figure (an alpha not measured
+# yet) writes no sample rather than a made-up number.
+ADAPT_GAUGES = {"specserve_adapt_heldout_alpha_serving": "heldout_alpha_serving",
+                "specserve_adapt_heldout_alpha_candidate": "heldout_alpha_candidate",
+                "specserve_adapt_buffer_tokens": "buffer_tokens",
+                "specserve_adapt_heldout_tokens": "heldout_tokens",
+                "specserve_adapt_train_seconds": "train_seconds"}
+# Counted by the pool's version store (specserve.adapt.versions, shared by the
+# pool's replicas and kept on disk), so they never go back whichever replica
+# answers. `rounds` is one replica's own count: on /v1/spec/stats only.
+ADAPT_COUNTERS = {"specserve_adapt_swaps_total": "swaps",
+                  "specserve_adapt_rollbacks_total": "rollbacks"}
+
+
 def prometheus_lines(pools: list[dict]) -> list[str]:
-    return family("specserve_pool_replicas",
-                  [({"pool": row["pool"], "kind": row["kind"]}, row["running"])
-                   for row in pools])
+    """Replica counts per pool; with `with_adapt` rows, each adapting pool's
+    figures too (the adapt families are written only when some pool's row
+    holds figures: none while no pool adapts or none answered)."""
+    lines = family("specserve_pool_replicas",
+                   [({"pool": row["pool"], "kind": row["kind"]}, row["running"])
+                    for row in pools])
+    adapting = [(row, row["adapt"]) for row in pools if isinstance(row.get("adapt"), dict)]
+    if not adapting:
+        return lines
+    for name, key in {**ADAPT_GAUGES, **ADAPT_COUNTERS}.items():
+        lines += family(name, [({"pool": row["pool"], "kind": row["kind"]}, figures[key])
+                               for row, figures in adapting
+                               if figures.get(key) is not None])
+    # The serving version, info style: 1 on the version serving now.
+    lines += family("specserve_adapt_version_info",
+                    [({"pool": row["pool"], "kind": row["kind"],
+                       "version": figures["version"]}, 1)
+                     for row, figures in adapting if figures.get("version") is not None])
+    return lines
 
 
 # ---- Ray glue -------------------------------------------------------------------

@@ -19,7 +19,8 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
-from specserve.draft.runner import BranchPlan, DraftRunner, VllmDraftModel
+from specserve.draft.model import VllmDraftModel
+from specserve.draft.runner import BranchPlan, DraftRunner
 from specserve.engine import (EngineSettings, apply_cpu_env, engine_args, scoped_env,
                               shutdown_engine)
 

@@ -246,5 +246,6 @@ class DraftingEngine:
             draft_replica=who.get("replica"),
             acceptance=Acceptance.of_output(output, k if draft is not None else 0,
                                             output_tokens),
-            target_running=running, target_waiting=waiting, draft_lag=who.get("lag"))
+            target_running=running, target_waiting=waiting, draft_lag=who.get("lag"),
+            draft_version=who.get("version"))
         return RequestRecord(report, ttft_s=ttft, duration_s=duration, finished_at=time.time())

@@ -24,6 +24,9 @@ from grafana import (grafana_expressions, grafana_targets, legend_labels,  # noq
                      promql_grouping, promql_labels, promql_metrics)
 
 ODD = 'we"ird\\name\nx'  # a draft name from gRPC metadata
+ADAPT = {"version": "v1", "heldout_alpha_serving": 0.5, "heldout_alpha_candidate": 0.55,
+         "buffer_tokens": 10, "heldout_tokens": 2, "swaps": 1, "rollbacks": 0, "rounds": 1,
+         "train_seconds": 0.3, "last_round": "promoted v1"}  # specserve.adapt.figures
 
 
 def full_metrics_text(draft_model="d", draft_replica="r1") -> str:
@@ -44,8 +47,9 @@ def full_metrics_text(draft_model="d", draft_replica="r1") -> str:
         "branches": {f"{draft_model}/{draft_replica}": {"branch_hits": 1}}}, now=100.0)
     kinds = {draft_model: "suffix"}
     lines = [*prometheus_lines(stats, 100.0, kinds), *outcomes.prometheus_lines(),
-             *pools.prometheus_lines(pools.replica_counts(
-                 {"target": {"RUNNING": 1}}, {"target": (1, 1), draft_model: (1, 1)}, kinds)),
+             *pools.prometheus_lines(pools.with_adapt(pools.replica_counts(
+                 {"target": {"RUNNING": 1}}, {"target": (1, 1), draft_model: (1, 1)}, kinds),
+                 {draft_model: ADAPT}, {draft_model})),
              *table.prometheus_lines(now=100.0, kinds=kinds)]
     return "\n".join(lines) + "\n"
 

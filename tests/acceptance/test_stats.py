@@ -98,3 +98,17 @@ def test_the_lag_gauge_of_a_draft_replica_without_requests_is_dropped():
     later = prometheus_text(s, now=200.0, kinds=KINDS)  # 150 s without a request: dead or idle
     assert "specserve_draft_lag_tokens{" not in later
     assert 'specserve_draft_tokens_total{draft_model="m",draft_replica="r",kind="suffix"} 2' in later
+
+
+def test_figures_per_draft_weights_version():
+    """An adapting pool's records carry the version that drafted them; its
+    figures add up per (model, version), and pools without versions have none."""
+    s = SpecStats(k=4)
+    s.record(rec("a", "r1", [4, 0, 0, 0, 0], out=10, draft_tokens=16, draft_version="v0"))
+    s.record(rec("a", "r1", [0, 0, 0, 0, 4], out=20, draft_tokens=16, draft_version="v1"))
+    s.record(rec("a", "r2", [0, 0, 0, 0, 2], out=10, draft_tokens=8, draft_version="v1"))
+    s.record(rec("b", "r3", [0, 0, 0, 0, 2], out=10, draft_tokens=8))
+    versions = s.snapshot(now=100.0, kinds={})["draft_versions"]
+    assert [(v["model"], v["version"], v["requests"]) for v in versions] == [
+        ("a", "v0", 1), ("a", "v1", 2)]
+    assert versions[0]["acceptance_rate"] == 0.0 and versions[1]["acceptance_rate"] == 1.0

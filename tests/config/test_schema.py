@@ -110,9 +110,24 @@ def test_every_field_is_described():
     assert list(missing(AppConfig, "")) == []
 
 
-def test_adapt_is_off_in_every_shipped_config():
-    for path in (DEFAULT_CONFIG_PATH, GPU_EXAMPLE, REPO / "cluster" / "model-draft.yaml"):
-        assert not any(d.adapt.enabled for d in AppConfig.from_yaml(path).drafts), path
+def test_adapt_is_off_in_every_shipped_config_but_online_adapt():
+    shipped = sorted((REPO / "cluster").glob("*.yaml"))
+    assert {DEFAULT_CONFIG_PATH.name, GPU_EXAMPLE.name} <= {p.name for p in shipped}
+    for path in shipped:
+        adapting = [d.name for d in AppConfig.from_yaml(path).drafts if d.adapt.enabled]
+        assert adapting == (["smollm2-distill"] if path.name == "online-adapt.yaml" else []), path
+    (pool,) = AppConfig.from_yaml(REPO / "cluster" / "online-adapt.yaml").drafts
+    # a swap can show within 30 minutes of traffic: two rounds' schedule
+    assert 2 * pool.adapt.train_every_minutes <= 30 and pool.model == "default"
+
+
+def test_collect_gaps_of_the_adapting_pools():
+    config = AppConfig.from_dict({"drafts": [
+        {"name": "a", "model": "/m", "adapt": {"enabled": True, "collect_share": 0.25}},
+        {"name": "b", "model": "/m", "adapt": {"enabled": True, "collect_share": 0}},
+        {"name": "c", "model": "/m", "adapt": {"collect_share": 0.5}},  # adapt off
+        {"name": "d", "model": "/m", "adapt": {"enabled": True, "collect_share": 0.3}}]})
+    assert config.collect_gaps() == {"a": 4, "d": 3}
 
 
 def test_lookahead_defaults_to_a_whole_window_after_a_full_accept():

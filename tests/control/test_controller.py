@@ -88,6 +88,20 @@ def test_poor_draft_or_costly_verification_gives_k0_with_probes():
     assert choose(costly, figures(alpha=0.6), fitted(a=0.0, b=0.010).cost(), rows=4).k == 0
 
 
+def test_an_adapting_pool_keeps_a_share_of_the_requests():
+    """A pool that learns from the requests it drafts for (adapt.collect_share
+    0.25: a collect gap of 4) is probed every 4 requests, not ever more rarely."""
+    learning = KController(4, {POOL: 1}, Thresholds(probe_every=8), collect_gaps={POOL: 4})
+    cost, f = fitted(a=0.020, b=0.0005).cost(), figures(alpha=0.02)
+    ks = [choose(learning, f, cost).k for _ in range(40)]
+    assert [i for i, k in enumerate(ks) if k] == list(range(4, 40, 5))
+    assert learning.last.probe and "probing" in learning.last.reason
+    # the live config may take the floor away: the probes space out again
+    learning.configure(4, {POOL: 1}, Thresholds(probe_every=8))
+    ks = [choose(learning, f, cost).k for _ in range(60)]
+    assert sum(1 for k in ks if k) <= 2
+
+
 def test_k_follows_the_model():
     # The choice is the argmax of the predicted rate, and falls with load.
     ctl = KController(8, {POOL: 1}, Thresholds(probe_every=1000))
@@ -138,6 +152,18 @@ def test_each_pools_kind_and_wait_are_its_inputs():
     # The same acceptance: the pool that keeps the target waiting 30 ms a step loses.
     assert c.pool == "sfx" and pools["big"]["k"] < pools["sfx"]["k"]
     assert pools["big"]["predicted_speedup"] < pools["sfx"]["predicted_speedup"]
+
+
+def test_a_suffix_pool_is_judged_as_a_suffix_memory():
+    """The controller tells the policy which pools run no model (their kind):
+    the same figures (2 requests, 88 steps, 8 drafted tokens) leave a suffix
+    pool fresh, at full K, and judge a model pool."""
+    for kind, k in (("suffix", 4), ("model", 0), ("hybrid", 0)):
+        ctl = KController(4, {"p": 1}, Thresholds(probe_every=1000), kinds={"p": kind})
+        ctl.turn = 1
+        f = Figures(requests=2, output_tokens=90, draft_tokens=8, accepted_tokens=0,
+                    steps=88, steps_with_drafts=2, alpha_trials=4)
+        assert ctl.choose({"p": f}, {}, load=0.0).k == k, kind
 
 
 def test_thresholds_come_from_the_config():

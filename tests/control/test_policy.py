@@ -9,7 +9,7 @@ from specserve.control import policy
 
 from specserve.control.policy import (
     PoolView, Thresholds, StepCost, choose, choose_k, expected_tokens, is_fresh,
-    modelled_cost, pool_k, predicted_rate, probe_gap, speedup,
+    modelled_cost, pool_k, pool_margin, predicted_rate, probe_gap, speedup,
 )
 
 TH = Thresholds()
@@ -54,6 +54,38 @@ def test_fresh_pools_are_measured_first_at_full_k():
     late = PoolView("l", 3, 0.0, 0.02, requests=1, inflight=0, steps=TH.min_steps)
     assert not is_fresh(late) and is_fresh(dataclasses.replace(late, steps=TH.min_steps - 1))
     assert choose([late], 4, 0.0, turn=1).k == 0
+
+
+def test_a_suffix_memory_is_judged_on_its_acceptance_not_its_steps():
+    """The CI case: the README's two chat requests took 64+ target steps and
+    drafted 8 tokens (4 trials) from the suffix memory; the edit that came next
+    was held at K = 0 on those. A suffix pool costs no core and no wait, so
+    the steps rule (for model drafts that seldom arrive) does not judge it."""
+    suffix = PoolView("suffix", 8, 0.0, 0.04, requests=2, inflight=0, steps=88,
+                      runs_model=False)
+    model = dataclasses.replace(suffix, name="model", runs_model=True)
+    assert is_fresh(suffix) and not is_fresh(model)
+    assert choose([suffix], 4, 0.0, turn=1).k == 4 and choose([model], 4, 0.0, turn=1).k == 0
+    # Judged once it drafted enough (or after min_requests), as before.
+    assert not is_fresh(dataclasses.replace(suffix, draft_tokens=TH.min_drafted_tokens))
+    assert not is_fresh(dataclasses.replace(suffix, requests=TH.min_requests))
+
+
+def test_a_suffix_memorys_margin_is_a_share_of_its_coverage():
+    """What the README's default showed: α 0.5 over 4 % of the steps. At most a
+    4 % gain, so a 3 % margin on the whole rate held it at K = 0; its drafted
+    steps are far more than 3 % faster, and its misses cost nothing."""
+    suffix = PoolView("suffix", 1000, 0.5, 0.04, requests=10, inflight=0, runs_model=False)
+    model = dataclasses.replace(suffix, name="model", runs_model=True)
+    assert pool_margin(model) == TH.margin and pool_margin(suffix) == pytest.approx(0.04 * TH.margin)
+    for cost in (None, StepCost(0.046, 0.0), StepCost(0.015, 0.004)):
+        gain = speedup(0.5, pool_k(suffix, 4, 0.0, cost), 0.0, cost, coverage=0.04) - 1.0
+        assert 0.0 < gain < TH.margin
+        assert pool_k(suffix, 4, 0.0, cost) > 0 and pool_k(model, 4, 0.0, cost) == 0
+    # A memory whose drafts are mostly rejected still gets K = 0, at any coverage.
+    for cov in (0.04, 0.5, 1.0):
+        poor = dataclasses.replace(suffix, alpha=0.02, coverage=cov)
+        assert pool_k(poor, 4, 0.0, StepCost(0.015, 0.004)) == 0
 
 
 def test_the_better_pool_wins_and_a_bad_pool_gets_k_0():

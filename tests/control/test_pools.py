@@ -77,3 +77,41 @@ def test_with_adapt_puts_each_adapting_pools_figures_on_its_row():
     assert "adapt" not in out["target"] and all("adapt" not in r for r in rows)
     down = pools.with_adapt(rows, "unavailable: TimeoutError", {"a"})
     assert [r.get("adapt") for r in down] == [None, "unavailable: TimeoutError", None, None]
+
+
+def test_adapt_figures_on_metrics_per_adapting_pool():
+    """An adapting pool's figures as gauges, its swaps and rollbacks as
+    counters and its serving version as an info gauge; a null alpha writes no
+    sample; no adapt families while no row holds figures."""
+    rows = pools.replica_counts({}, {"target": (1, 1), "a": (1, 1), "b": (1, 1), "c": (1, 1)},
+                                {"a": "model", "b": "model", "c": "hybrid"})
+    assert pools.prometheus_lines(pools.with_adapt(rows, {}, set())) == \
+        pools.prometheus_lines(rows)
+    assert all("adapt" not in line
+               for line in pools.prometheus_lines(pools.with_adapt(rows, "unavailable: x", {"a"})))
+    figures = {"a": {"version": "v2", "heldout_alpha_serving": 0.61,
+                     "heldout_alpha_candidate": None, "buffer_tokens": 900,
+                     "heldout_tokens": 100, "swaps": 2, "rollbacks": 1, "rounds": 3,
+                     "train_seconds": 4.5, "last_round": "promoted v2"},
+               "c": {"version": None, "heldout_alpha_serving": None,
+                     "heldout_alpha_candidate": None, "buffer_tokens": 0, "heldout_tokens": 0,
+                     "swaps": 0, "rollbacks": 0, "rounds": 0, "train_seconds": 0.0,
+                     "last_round": None}}
+    lines = pools.prometheus_lines(pools.with_adapt(rows, figures, {"a", "c"}))
+    samples = [line for line in lines if line.startswith("specserve_adapt")]
+    assert samples == [
+        'specserve_adapt_heldout_alpha_serving{pool="a",kind="model"} 0.61',
+        'specserve_adapt_buffer_tokens{pool="a",kind="model"} 900',
+        'specserve_adapt_buffer_tokens{pool="c",kind="hybrid"} 0',
+        'specserve_adapt_heldout_tokens{pool="a",kind="model"} 100',
+        'specserve_adapt_heldout_tokens{pool="c",kind="hybrid"} 0',
+        'specserve_adapt_train_seconds{pool="a",kind="model"} 4.5',
+        'specserve_adapt_train_seconds{pool="c",kind="hybrid"} 0.0',
+        'specserve_adapt_swaps_total{pool="a",kind="model"} 2',
+        'specserve_adapt_swaps_total{pool="c",kind="hybrid"} 0',
+        'specserve_adapt_rollbacks_total{pool="a",kind="model"} 1',
+        'specserve_adapt_rollbacks_total{pool="c",kind="hybrid"} 0',
+        'specserve_adapt_version_info{pool="a",kind="model",version="v2"} 1']
+    # Every family keeps its HELP and TYPE, samples or not (the candidate's).
+    assert "# TYPE specserve_adapt_heldout_alpha_candidate gauge" in lines
+    assert "# TYPE specserve_adapt_swaps_total counter" in lines

@@ -8,18 +8,23 @@ the key, or with a wrong one, get a 401 (/healthz stays open). /metrics
 carries every specserve_* metric the Grafana dashboard of the Helm chart
 queries, and the replica counts per pool; a real Prometheus (Debian's
 package, `make prometheus`) scrapes it, every dashboard expression over the
-router's metrics returns data, and the figures agree with /v1/spec/stats."""
+router's metrics returns data, and the figures agree with /v1/spec/stats.
+Without an app (a stub serving the page and written figures): the panel per
+adapting draft pool with its swap and rollback markers, and a real Prometheus
+reading every catalogued family, the adapt ones included."""
 
 from __future__ import annotations
 
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import SLOW_TARGET_ENV
+from dashboard_stub import StubStats
 from specserve.tools.serveproc import ServeProcess, get, post
 from test_serve import tiny_config
 
@@ -339,3 +344,135 @@ def test_prometheus_scrapes_the_router_and_the_dashboard_queries_agree(app, tmp_
         (p50,) = _query("histogram_quantile(0.5, sum by (le) "
                         "(specserve_ttft_seconds_bucket))")
         assert 0 < float(p50["value"][1]) <= 10
+
+
+# ---- the adaptation panel, from stats the test writes (no app: tests/dashboard_stub.py)
+
+
+def adapt_stats(adapt) -> dict:
+    """/v1/spec/stats with a target, an adapting pool `same` (its `adapt`:
+    specserve.adapt.figures, or why it is missing) and a pool with adapt off."""
+    def pool(name, kind, **more):
+        return {"pool": name, "kind": kind, "deployment": name, "states": {"RUNNING": 1},
+                "running": 1, "min_replicas": 1, "max_replicas": 1, **more}
+    return {"end_to_end": {}, "draft_models": [], "branches": {}, "autoscaling": [],
+            "pools": [pool("target", "target"), pool("same", "model", adapt=adapt),
+                      pool("plain", "model", adapt=None)]}
+
+
+def figures(version, serving, candidate=None, swaps=0, rollbacks=0, rounds=0, last=None):
+    return {"version": version, "heldout_alpha_serving": serving,
+            "heldout_alpha_candidate": candidate, "buffer_tokens": 1200 + 100 * rounds,
+            "heldout_tokens": 300, "swaps": swaps, "rollbacks": rollbacks, "rounds": rounds,
+            "train_seconds": 2.5 if rounds else 0.0, "last_round": last}
+
+
+PANEL = """
+const section = document.getElementById('adapt-section');
+const pools = [...document.querySelectorAll('.adapt-pool')].map((div) => ({
+  pool: div.dataset.pool,
+  cells: Object.fromEntries([...div.querySelectorAll('td')].map(
+    (td) => [td.dataset.field, td.dataset.value])),
+  events: [...div.querySelectorAll('.adapt-event')].map((li) => ({...li.dataset})),
+  why: (div.querySelector('.adapt-why') || {}).textContent || null}));
+return {shown: section.offsetHeight > 0, pools,
+        polls: Number(document.getElementById('updated').dataset.polls || 0)};
+"""
+
+SWAP_PIXELS = """
+const c = document.querySelector('.adapt-pool canvas');
+const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+let n = 0;  // the swap marker's green (#109618)
+for (let i = 0; i < d.length; i += 4)
+  if (d[i+3] > 200 && d[i] < 60 && d[i+1] > 120 && d[i+2] < 60) n++;
+return n;
+"""
+
+
+def test_dashboard_draws_each_adapting_pool_with_its_swaps_and_rollbacks(tmp_path):
+    """The adaptation panel: hidden while no pool adapts; then per adapting
+    pool its current figures, and a marker where the serving version changed
+    (a swap) or a rollback was counted between two polls."""
+    stub = StubStats()
+    driver = _browser(tmp_path)
+
+    def shown_after(stats):  # the panel once the page has polled `stats` twice
+        stub.stats = stats
+        polls = driver.execute_script(PANEL)["polls"]
+        _wait(driver, f"return Number(document.getElementById('updated').dataset.polls"
+                      f" || 0) >= {polls + 2}", "two more polls")
+        return driver.execute_script(PANEL)
+
+    try:
+        stub.stats = adapt_stats(None)
+        driver.get(f"{stub.url}/dashboard?interval=0.5")
+        panel = shown_after(adapt_stats(None))
+        assert not panel["shown"] and panel["pools"] == []  # no pool adapts
+
+        panel = shown_after(adapt_stats(figures("v0", 0.5)))
+        (same,) = panel["pools"]
+        assert panel["shown"] and same["pool"] == "same" and same["events"] == []
+        assert same["cells"] == {"version": "v0", "heldout_alpha_serving": "0.5",
+                                 "heldout_alpha_candidate": "", "buffer_tokens": "1200",
+                                 "heldout_tokens": "300", "rounds": "0", "swaps": "0",
+                                 "rollbacks": "0", "train_seconds": "0", "last_round": ""}
+
+        # A round promotes its candidate: the version changes, a swap is counted.
+        panel = shown_after(adapt_stats(figures("v1", 0.62, 0.62, swaps=1, rounds=1,
+                                                last="promoted v1")))
+        (same,) = panel["pools"]
+        assert same["events"] == [{"event": "swap", "from": "v0", "to": "v1"}]
+        assert same["cells"]["version"] == "v1" and same["cells"]["last_round"] == "promoted v1"
+        assert same["cells"]["heldout_alpha_candidate"] == "0.62"
+        assert driver.execute_script(SWAP_PIXELS) > 20  # the marker is drawn
+
+        # A rollback to v0, then a version change alone (another replica's
+        # store answered): a rollback marker, then a swap marker.
+        shown_after(adapt_stats(figures("v0", 0.5, 0.62, swaps=1, rollbacks=1, rounds=2,
+                                        last="rolled back to v0")))
+        panel = shown_after(adapt_stats(figures("v2", 0.55, 0.62, swaps=1, rollbacks=1,
+                                                rounds=2)))
+        assert [e for p in panel["pools"] for e in p["events"]] == [
+            {"event": "swap", "from": "v0", "to": "v1"},
+            {"event": "rollback", "from": "v1", "to": "v0"},
+            {"event": "swap", "from": "v0", "to": "v2"}]
+        driver.execute_script("document.getElementById('adapt-section').scrollIntoView()")
+        shot = tmp_path / "dashboard-adapt.png"
+        assert driver.save_screenshot(str(shot))
+        (REPO / "out").mkdir(exist_ok=True)
+        shutil.copy(shot, REPO / "out" / "dashboard-adapt.png")
+
+        # Figures that did not come: the pool's panel says why.
+        panel = shown_after(adapt_stats("unavailable: TimeoutError"))
+        assert panel["shown"] and panel["pools"][0]["why"] == "unavailable: TimeoutError"
+    finally:
+        driver.quit()
+        stub.close()
+
+
+def test_prometheus_reads_every_catalogued_family_with_the_adapt_figures(tmp_path):
+    """What /metrics writes with every family filled (an adapting pool's
+    figures too), scraped by a real Prometheus: each catalogued family
+    arrives, the adapt ones with their labels."""
+    sys.path.insert(0, str(REPO / "tests" / "acceptance"))
+    from prometheus_server import scraping
+    from test_catalogue import full_metrics_text
+
+    from specserve.acceptance import catalogue
+
+    stub = StubStats()
+    stub.metrics = full_metrics_text()
+    try:
+        with scraping(stub.url, tmp_path) as prom:
+            prom.wait_for('up{job="specserve"} == 1', 60, "Prometheus scraped the stub")
+            names = set(prom.names())
+            want = {n for m in catalogue.BY_NAME.values() for n in m.series}
+            assert want <= names, sorted(want - names)
+            (info,) = prom.query("specserve_adapt_version_info")
+            assert {k: v for k, v in info["metric"].items() if k not in ("job", "instance")} \
+                == {"__name__": "specserve_adapt_version_info", "pool": "d", "kind": "suffix",
+                    "version": "v1"}
+            (alpha,) = prom.query("specserve_adapt_heldout_alpha_candidate")
+            assert float(alpha["value"][1]) == 0.55
+    finally:
+        stub.close()

@@ -54,7 +54,8 @@ def test_an_adapting_draft_replica_collects_and_reports(tmp_path, no_engine):
     assert figures == {"version": "v0", "heldout_alpha_serving": None,
                        "heldout_alpha_candidate": None, "buffer_tokens": 120,
                        "heldout_tokens": figures["heldout_tokens"], "swaps": 0,
-                       "rollbacks": 0}
+                       "rollbacks": 0, "rounds": 0, "train_seconds": 0.0, "last_round": None}
+    assert server.adapter.loaded == "v0" and server.adapter.task is None  # starts on a call
     assert 0 < figures["heldout_tokens"] < 120
     assert server.versions.versions()[0]["source"] == "/models/draft"
 

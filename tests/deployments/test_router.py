@@ -308,14 +308,22 @@ def test_each_adapting_pool_row_carries_its_replicas_adapt_figures():
         r.ops._serve_status = lambda: {}
         r.ops._decisions = FakeRemote([]).remote
         _, _, stats = await answer(r, request("GET", "/v1/spec/stats"))
-        return json.loads(stats), target.draft_adapt.calls
+        _, _, text = await answer(r, request("GET", "/metrics"))
+        return json.loads(stats), target.draft_adapt.calls, text.decode()
 
-    snap, calls = asyncio.run(go(config, ["same", "plain"]))
+    snap, calls, text = asyncio.run(go(config, ["same", "plain"]))
     rows = {row["pool"]: row for row in snap["pools"]}
-    assert rows["same"]["adapt"] == figures and calls == 1
+    assert rows["same"]["adapt"] == figures and calls == 2  # the stats, then /metrics
     assert rows["plain"]["adapt"] is None and "adapt" not in rows["target"]
-    snap, calls = asyncio.run(go(json.loads(json.dumps(CONFIG)), ["same"]))
+    # /metrics: the same figures (no sample for an alpha not measured yet)
+    assert 'specserve_adapt_buffer_tokens{pool="same",kind="model"} 120' in text
+    assert 'specserve_adapt_version_info{pool="same",kind="model",version="v0"} 1' in text
+    assert 'specserve_adapt_swaps_total{pool="same",kind="model"} 0' in text
+    adapt = [line for line in text.splitlines() if line.startswith("specserve_adapt")]
+    assert not any("alpha" in line or 'pool="plain"' in line for line in adapt)
+    snap, calls, text = asyncio.run(go(json.loads(json.dumps(CONFIG)), ["same"]))
     assert [row.get("adapt") for row in snap["pools"]] == [None, None] and calls == 0
+    assert "specserve_adapt" not in text
 
 
 def test_a_dead_replica_before_the_answer_is_retried_once():

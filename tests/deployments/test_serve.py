@@ -46,6 +46,11 @@ def app(tiny_models, tmp_path_factory):
     # whichever router answers.
     config = tiny_config(tiny_models, [("unrelated", "unrelated"), ("same", "target")])
     config["router"] = {"replicas": {"min_replicas": 2, "max_replicas": 2}}
+    # The unrelated pool adapts (no training round within the tests: the
+    # schedule is 30 min; no share of requests forced its way): the swap test
+    # promotes a version by hand.
+    config["drafts"][0]["adapt"] = {"enabled": True, "collect_share": 0,
+                                    "versions_dir": str(tmp_path_factory.mktemp("versions"))}
     # Ray's token authentication on (what `specserve serve` takes from Ray's
     # own variables, as the chart's rayAuth sets them): the app serves with it.
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -330,6 +335,66 @@ def test_figures_add_up_over_routers_and_survive_one_killed(app, expected):
         assert _counter(later, name, **labels) >= _counter(after, name, **labels), name
     assert (_counter(later, "specserve_http_responses_total", **ok)
             >= _counter(after, "specserve_http_responses_total", **ok) + 2)
+
+
+def test_a_swap_with_requests_in_flight(app, expected, tiny_models):
+    """A version promoted in the pool's store (what a training round that
+    passed the guard does) is loaded by the running draft replica in place
+    while requests stream: none fails, every greedy text is target-only's,
+    and /v1/spec/stats shows the new version."""
+    import shutil
+    import threading
+
+    from specserve.adapt.versions import VersionStore
+    from specserve.config import AppConfig
+
+    pool = AppConfig.from_yaml(app.config_path).drafts[0]
+    store = VersionStore(pool.adapt.versions_root(pool.name))
+
+    def adapt_row():
+        rows = get(f"{app.url}/v1/spec/stats")[1]["pools"]
+        return next(r["adapt"] for r in rows if isinstance(r.get("adapt"), dict))
+
+    assert adapt_row()["version"] == "v0"
+    stop, texts, errors = threading.Event(), [], []
+
+    def stream(prompt, want):
+        c = client(app)
+        while not stop.is_set():
+            try:
+                chunks = c.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY)
+                texts.append(("".join(ch.choices[0].text for ch in chunks if ch.choices), want))
+            except Exception as e:
+                errors.append(repr(e))
+    clients = [threading.Thread(target=stream, args=pair)
+               for pair in zip(PROMPTS, expected["plain"])]
+    for t in clients:
+        t.start()
+    try:
+        weights = store.root / ".by-hand"
+        shutil.copytree(tiny_models["target"], weights)  # same shapes: the target's weights
+        version = store.record_candidate("v0", 0.1, 0.9, "swap: by hand", weights=weights)
+        store.promote(version, "swap: by hand")
+        deadline = time.monotonic() + 60
+        while (row := adapt_row())["version"] != version:  # the replica loaded it
+            assert time.monotonic() < deadline, row
+            time.sleep(1)
+        seen = len(texts)
+        while len(texts) < seen + 4 and time.monotonic() < deadline + 60:
+            time.sleep(0.2)  # more requests after the swap
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(120)
+    assert errors == []
+    assert len(texts) >= seen + 4 and all(text == want for text, want in texts)
+    assert (row["swaps"], row["rollbacks"]) == (1, 0)
+    # back to the shipped weights (`specserve adapt rollback`): followed too
+    store.rollback("by hand")
+    deadline = time.monotonic() + 60
+    while adapt_row()["version"] != "v0":
+        assert time.monotonic() < deadline
+        time.sleep(1)
 
 
 def test_served_by_the_target_alone_when_the_draft_replica_dies(app, expected):

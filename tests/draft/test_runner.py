@@ -260,7 +260,7 @@ def test_the_vllm_draft_model_branches_from_its_logprobs():
     logprobs, continuations from one more engine request per branch."""
     import types
 
-    from specserve.draft.runner import VllmDraftModel
+    from specserve.draft.model import VllmDraftModel
 
     class Lp:
         def __init__(self, logprob):

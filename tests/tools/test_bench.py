@@ -35,6 +35,17 @@ def test_parse_and_select_prompts():
         workload.parse_prompts([])
 
 
+def test_a_prompt_may_carry_a_system_message():
+    lines = [json.dumps({"question_id": 1, "category": "a", "turns": ["q"], "system": "be brief"}),
+             json.dumps({"question_id": 2, "category": "a", "turns": ["r"]})]
+    with_system, without = workload.parse_prompts(lines)
+    assert with_system.messages() == [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "q"}]
+    assert without.messages() == [{"role": "user", "content": "r"}]
+    with pytest.raises(ValueError, match="system must be a string"):
+        workload.parse_prompts([json.dumps({"turns": ["q"], "system": ["x"]})])
+
+
 def test_the_shipped_sample_parses():
     prompts = workload.parse_prompts(workload.SAMPLE_PROMPTS.read_text().splitlines())
     assert len(prompts) == 23 and len({p.category for p in prompts}) == 13
@@ -144,17 +155,30 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
     cats = ["qa", "translation", "writing"]
     prompts.write_text("".join(
         json.dumps({"question_id": i, "category": cats[i % 3],
-                    "turns": [f"Question {i}: what is {i} plus {i}?"]}) + "\n" for i in range(4)))
+                    "turns": [f"Question {i}: what is {i} plus {i}?"],
+                    **({"system": "Answer in one word."} if i == 0 else {})}) + "\n"
+        for i in range(4)))
     out = tmp_path / "bench.json"
+    # specserve_adapted: another draft folder beside --draft's, in the same run
+    systems_run = (*workload.DEFAULT_SYSTEMS, "specserve_adapted")
     proc = run_cli("bench", "--target", str(tiny_models["target"]),
                    "--draft", str(tiny_models["perturbed"]), "--prompts", str(prompts),
                    "--num-prompts", "4", "--max-tokens", "24", "--concurrency", "1", "2",
-                   "--synthetic-alpha", "0.8", "--json", str(out), timeout=600)
+                   "--synthetic-alpha", "0.8", "--json", str(out),
+                   "--systems", *systems_run, "--adapted-draft", str(tiny_models["unrelated"]),
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     got = json.loads(out.read_text())
     rows = got["results"]
     systems = {(r["system"], r["concurrency"]) for r in rows}
-    assert systems == {(s, c) for s in workload.DEFAULT_SYSTEMS for c in (1, 2)}
+    assert systems == {(s, c) for s in systems_run for c in (1, 2)}
+    by = {(r["system"], r["concurrency"]): r for r in rows}
+    # the adapted row ran its own draft folder: the unrelated model, which the
+    # K controller may hold at K = 0 (no acceptance then), never above the
+    # perturbed copy of the target
+    adapted = by["specserve_adapted", 1]["accepted_tokens"] / max(
+        by["specserve_adapted", 1]["draft_tokens"], 1)
+    assert adapted <= (by["specserve", 1]["acceptance_rate"] or 0.0)
     for r in rows:
         for key, types in ROW_TYPES.items():
             assert isinstance(r[key], types), (key, r)
@@ -169,7 +193,7 @@ def test_bench_on_the_tiny_pair(tiny_models, tmp_path):
     assert {c["category"] for c in got["by_category"]} == set(cats)
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for s in workload.DEFAULT_SYSTEMS:
+    for s in systems_run:
         assert f"| {s} |" in proc.stdout
     assert "[bench" in proc.stderr  # progress went to stderr
     # A run that succeeded says so without a traceback (vLLM's AsyncLLM.__del__
@@ -341,3 +365,26 @@ def test_vllms_drafts_with_no_model_run_its_own_speculative_configs(tmp_path, mo
     arctic["installed"] = False
     with pytest.raises(ValueError, match="make arctic"):
         run.bench_args(args, "/models/t", None)
+
+
+def test_fixed_k_drafts_every_request_with_both_drafts(tmp_path, monkeypatch):
+    """--fixed-k: the specserve and specserve_adapted rows run without the K
+    controller (each draft measured on every request); by default both adapt K."""
+    import types
+
+    import specserve.local
+    from specserve.cli.parser import build_parser
+    from specserve.tools.bench.backends import build_backends
+
+    monkeypatch.setattr(specserve.local, "LocalSpec", lambda target, draft, **kw:
+                        types.SimpleNamespace(k=kw.get("k", 0), draft=draft,
+                                              adaptive=kw.get("adaptive_k", False)))
+    for flags, adaptive in (([], True), (["--fixed-k"], False)):
+        args = build_parser().parse_args(
+            ["bench", "--systems", "specserve", "specserve_adapted", "--adapted-draft",
+             "/models/v2", *flags])
+        a = run.bench_args(args, "/models/t", "/models/d")
+        assert a.fixed_k is not adaptive
+        backends = {system: make() for system, _, make in build_backends(a, None, tmp_path)}
+        assert {s: (b.spec.draft, b.spec.adaptive) for s, b in backends.items()} == {
+            "specserve": ("/models/d", adaptive), "specserve_adapted": ("/models/v2", adaptive)}

@@ -267,7 +267,7 @@ class HttpBackend:
         start = time.monotonic()
         body = {"model": self.name, "max_tokens": params["max_tokens"],
                 "temperature": params["temperature"], "ignore_eos": params["ignore_eos"],
-                "messages": [{"role": "user", "content": p.text}], "stream": True,
+                "messages": p.messages(), "stream": True,
                 "stream_options": {"include_usage": True}}
         text, first, usage = stream_chat(f"{self.server.url}/v1/chat/completions", body)
         n = (usage or {}).get("completion_tokens", 0)
@@ -294,7 +294,11 @@ def build_backends(a: BenchArgs, replay, workdir: Path):
             out.append((system, None, lambda: VllmDraftModelBackend(a.target, a.draft, a.k, s)))
         elif system == "specserve":
             out.append((system, None, lambda: LocalBackend("specserve", LocalSpec(
-                a.target, a.draft, k=a.k, settings=s, adaptive_k=True,
+                a.target, a.draft, k=a.k, settings=s, adaptive_k=not a.fixed_k,
+                speculation=a.speculation()))))
+        elif system == "specserve_adapted":
+            out.append((system, None, lambda: LocalBackend("specserve_adapted", LocalSpec(
+                a.target, a.adapted_draft, k=a.k, settings=s, adaptive_k=not a.fixed_k,
                 speculation=a.speculation()))))
         elif system in ("vllm_ngram", "vllm_suffix"):
             method = system.removeprefix("vllm_")

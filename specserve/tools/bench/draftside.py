@@ -12,10 +12,11 @@ prompt ids, each drafting T tokens greedily:
 - engine: the requests straight to the engine (AsyncLLM, streamed one step at
   a time, as VllmDraftModel asks): its own token rate;
 - runner: the same requests through the real draft side: the DraftRunner
-  (specserve/draft/runner.py) with VllmDraftModel, its SinkLink (deltas,
-  one DraftBatch per event-loop turn, protobuf, gRPC) to a sink in another
-  process that verifies every drafted token at once (an infinitely fast
-  target that accepts everything: the heaviest load a draft side can get).
+  (specserve/draft/runner.py) with VllmDraftModel (specserve/draft/model.py),
+  its SinkLink (deltas, one DraftBatch per event-loop turn, protobuf, gRPC) to
+  a sink in another process that verifies every drafted token at once (an
+  infinitely fast target that accepts everything: the heaviest load a draft
+  side can get).
 
 A third phase runs the runner and link with a model that costs nothing (one
 token per request per event-loop turn): the draft side's own ceiling, in
@@ -177,7 +178,7 @@ def start_echo_sink():
 
 
 async def run(a: DraftSideArgs, progress=lambda m: None) -> dict:
-    from specserve.draft.runner import VllmDraftModel
+    from specserve.draft.model import VllmDraftModel
     from specserve.draft.worker import DraftWorker
     from specserve.engine import EngineSettings, shutdown_engine
 

@@ -16,8 +16,12 @@ in `backends`, the rows and tables in `report`, the prompts in `workload`:
                       method "ngram", same K): drafts that need no model, co-located;
 - vllm_suffix         vLLM's own SuffixDecoding inside the engine (method "suffix",
                       up to K a step; Arctic Inference's trees, `make arctic`);
-- specserve           the draft worker streaming over gRPC to the target (LocalSpec)
-                      (LocalSpec), with adaptive K (specserve/control/controller.py);
+- specserve           the draft worker streaming over gRPC to the target
+                      (LocalSpec), with adaptive K (specserve/control/controller.py;
+                      --fixed-k: K for every request);
+- specserve_adapted   the same, with another draft folder (--adapted-draft: a
+                      version online adaptation wrote, specserve/adapt/), to
+                      compare with the draft it came from in one run;
 - specserve_suffix    the suffix draft (no model: specserve/draft/suffix.py) over the
                       same path, fixed K;
 - specserve_hybrid    the draft model consulting a suffix memory position by position
@@ -74,8 +78,8 @@ def load_workload(a: BenchArgs, tokenizer, max_model_len: int) -> tuple[list[Pro
     prompts = parse_prompts(a.prompts_file.read_text().splitlines(), str(a.prompts_file))
     fitting, skipped = [], 0
     for p in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
-                                            add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(p.messages(), add_generation_prompt=True,
+                                            tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         p.ids = list(ids)
@@ -286,7 +290,14 @@ def add_arguments(p, positive_int, temperature) -> None:
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                    help="systems to run (default: all but vllm_ngram, vllm_suffix, "
                         "specserve_suffix and specserve_hybrid, which run when named, e.g. on the edit "
-                        "workload)")
+                        "workload; and specserve_adapted)")
+    p.add_argument("--adapted-draft", help="the draft folder of the specserve_adapted row: "
+                   "an adapted version (`specserve adapt status` names its folder), run "
+                   "beside --draft's specserve row")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="the specserve and specserve_adapted rows draft at K for every "
+                        "request (no adaptive K), so each draft's acceptance is measured on "
+                        "every request, paying or not")
     p.add_argument("--num-speculative-tokens", type=positive_int("num-speculative-tokens"),
                    default=4, help="K for every speculative system")
     p.add_argument("--rounds", type=positive_int("rounds"),
@@ -322,5 +333,6 @@ def bench_args(args, target: str, draft: str | None) -> BenchArgs:
         systems=list(dict.fromkeys(args.systems)), rounds=pick("rounds"), dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
         ignore_eos=not args.no_ignore_eos, synthetic_delay_ms=args.synthetic_delay_ms,
-        synthetic_recovery_hit=args.synthetic_recovery_hit, branch_fan_out=args.branch_fan_out)
+        synthetic_recovery_hit=args.synthetic_recovery_hit, branch_fan_out=args.branch_fan_out,
+        adapted_draft=args.adapted_draft, fixed_k=args.fixed_k)
 

@@ -12,12 +12,14 @@ import json
 from pathlib import Path
 
 SYSTEMS = ("target_only", "specserve_k0", "vllm_draft_model", "vllm_ngram", "vllm_suffix",
-           "specserve", "specserve_suffix", "specserve_hybrid", "specserve_synthetic",
-           "vllm_serve", "specserve_http")
+           "specserve", "specserve_adapted", "specserve_suffix", "specserve_hybrid",
+           "specserve_synthetic", "vllm_serve", "specserve_http")
 # What runs without --systems: the drafts with a suffix memory (vllm_ngram,
 # vllm_suffix, specserve_suffix, specserve_hybrid) pay on workloads that repeat
-# themselves (specserve/data/edit_sample.jsonl) and run when named.
-NAMED_ONLY = ("vllm_ngram", "vllm_suffix", "specserve_suffix", "specserve_hybrid")
+# themselves (specserve/data/edit_sample.jsonl) and run when named;
+# specserve_adapted (specserve with --adapted-draft) runs when named.
+NAMED_ONLY = ("vllm_ngram", "vllm_suffix", "specserve_adapted", "specserve_suffix",
+              "specserve_hybrid")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in NAMED_ONLY)
 SAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "spec_bench_sample.jsonl"
 
@@ -28,10 +30,17 @@ class Prompt:
     category: str
     text: str  # the first turn, sent as one user chat message
     ids: list[int] = dataclasses.field(default_factory=list)
+    system: str | None = None  # a system message before it (optional "system" key)
+
+    def messages(self) -> list[dict]:
+        """The chat messages the prompt is sent as."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": "user", "content": self.text}]
 
 
 def parse_prompts(lines: list[str], source: str = "prompts") -> list[Prompt]:
-    """Spec-Bench JSONL (question_id, category, turns) -> prompts; first turn only."""
+    """Spec-Bench JSONL (question_id, category, turns; optionally a "system"
+    message) -> prompts; first turn only."""
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -45,7 +54,11 @@ def parse_prompts(lines: list[str], source: str = "prompts") -> list[Prompt]:
                              '({"question_id", "category", "turns": [...]})') from None
         if not isinstance(text, str) or not text:
             raise ValueError(f"{source}:{n}: turns[0] must be a non-empty string")
-        out.append(Prompt(str(r.get("question_id", n)), str(r.get("category", "none")), text))
+        system = r.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"{source}:{n}: system must be a string")
+        out.append(Prompt(str(r.get("question_id", n)), str(r.get("category", "none")), text,
+                          system=system or None))
     if not out:
         raise ValueError(f"{source}: no prompts")
     return out
@@ -90,6 +103,8 @@ class BenchArgs:
     synthetic_delay_ms: float = 0.0
     synthetic_recovery_hit: float = 0.6
     branch_fan_out: int | None = None  # F for every speculative system (None: the config's)
+    adapted_draft: str | None = None  # specserve_adapted's draft (an adapted version's folder)
+    fixed_k: bool = False  # specserve and specserve_adapted draft at K for every request
 
     def speculation(self):
         """The SpeculationConfig every speculative system runs with."""

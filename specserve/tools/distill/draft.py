@@ -1,7 +1,7 @@
 """The draft model itself: built from target layers, evaluated, written, assembled.
 
 Owns building the torch draft from N target layers with the target's frozen
-embedding (`build_draft`), its logits and held-out greedy agreement
+embedding (`build_draft`, what stays frozen: `freeze_shared`), its logits and held-out greedy agreement
 (`evaluate_alpha`) and recovery hit rate of branches (`evaluate_recovery_hit`), writing it as a normal Hugging Face folder
 (`export_draft`) and as the trained tensors alone (`draft-layers.safetensors`),
 which `assemble_draft` turns back into a folder given the target (how the
@@ -54,11 +54,16 @@ def build_draft(target: str | Path, layers: list[int]):
     if config.tie_word_embeddings:
         draft.tie_weights()
     del full
-    # Shared with the target, never trained (an untied output layer too).
-    draft.model.embed_tokens.weight.requires_grad_(False)
-    draft.lm_head.weight.requires_grad_(False)
-    trainable = [n for n, p in draft.named_parameters() if p.requires_grad]
-    return draft, trainable
+    return draft, freeze_shared(draft)
+
+
+def freeze_shared(model) -> list[str]:
+    """Freeze what a draft shares with its target (the embedding, and the output
+    layer, tied or not); return the names of the parameters left to train (the
+    layers and the final norm). Distillation and online adaptation train the same."""
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)
+    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def draft_logits(model, ids, start: int):

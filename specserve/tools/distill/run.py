@@ -7,8 +7,10 @@ stored with the draft; nor is an untied output layer). The layers are then
 trained to match the target's next-token distribution on text the target wrote.
 
 This module owns the training loop (`train`: time budget, progress bar on
-stderr, periodic checkpoints it resumes from, alpha before and after) and the
-whole run (`run`: data, training, export). The rest of the package:
+stderr, periodic checkpoints it resumes from, alpha before and after; the
+optimizer and autocast it trains with, `make_optimizer` and `train_autocast`,
+which online adaptation reuses) and the whole run (`run`: data, training,
+export). The rest of the package:
 - `recipe`: the pure parts (layers, prompts, loss, agreement, schedule);
 - `state`: the output folder and `distill.json`, resuming;
 - `data`: generating the data with the target in vLLM;
@@ -42,6 +44,22 @@ from specserve.tools.distill.state import (
 # ---- training --------------------------------------------------------------------
 
 
+def make_optimizer(params, lr: float):
+    """AdamW as distillation uses it (no weight decay: the draft starts from the
+    target's own weights; beta2 0.98 for short runs)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+
+def train_autocast(bf16: bool = True):
+    """bf16 autocast on CPU around the forward pass (float32 master weights)."""
+    import torch
+
+    return (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+            else torch.autocast("cpu", enabled=False))
+
+
 def train(out: Path, state: DistillState, minutes: float, lr: float = 3e-4,
           tokens_per_step: int = 2048, checkpoint_minutes: float = 5.0,
           threads: int | None = None, bf16: bool = True) -> None:
@@ -67,7 +85,7 @@ def train(out: Path, state: DistillState, minutes: float, lr: float = 3e-4,
         state.save(out)
     model, trainable = build_draft(state.target, state.layers)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    optimizer = make_optimizer(params, lr)
     epoch, position = 0, 0
     ckpt = out / CHECKPOINT_FILE
     if ckpt.is_file():
@@ -80,8 +98,7 @@ def train(out: Path, state: DistillState, minutes: float, lr: float = 3e-4,
         state.alpha_before = evaluate_alpha(model, eval_data)
         log(f"held-out greedy agreement before training: {state.alpha_before:.3f}")
         state.save(out)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
-                else torch.autocast("cpu", enabled=False))
+    autocast = train_autocast(bf16)
 
     budget = minutes * 60
     started = last_ckpt = time.monotonic()
