@@ -1,6 +1,7 @@
 """A client of a Serve app started by `specserve serve` (tests/deployments):
 completions streamed over http.client (the test decides when to hang up),
-/v1/spec/stats, the app's replica processes and SIGKILLs of them, and the
+/v1/spec/stats, the app's replica processes (and a replica's engine core) and
+SIGKILLs of them, and the
 thread and wait helpers the fault tests share (test_reliability.py,
 test_many_replicas.py). The model is served as "tiny"."""
 
@@ -78,6 +79,25 @@ def replica_processes(app, name):
         except psutil.Error:  # gone meanwhile
             pass
     return found
+
+
+def engine_core(replica: psutil.Process) -> psutil.Process | None:
+    """A Serve replica's vLLM engine core: its one child that is not
+    multiprocessing's resource tracker (the engine's workers are the core's
+    children). Found by place, not by title: vLLM titles it VLLM::EngineCore,
+    but CI has twice listed a serving engine's processes as plain `python`.
+    None while the replica has no such child, or more than one."""
+    cores = []
+    try:
+        for p in replica.children():
+            try:
+                if "resource_tracker" not in " ".join(p.cmdline()):
+                    cores.append(p)
+            except psutil.Error:  # gone meanwhile
+                continue
+    except psutil.Error:  # the replica is gone
+        return None
+    return cores[0] if len(cores) == 1 else None
 
 
 def kill_replica(app, name, replica=None):

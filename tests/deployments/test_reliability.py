@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 
 from conftest import SLOW_TARGET_ENV
 from fuzz_bodies import chat_bytes, completion_bytes
-from serve_client import (body, events, in_threads, kill_replica, open_stream, read_stream,
-                          replica_processes, start_streams, stats, wait_for)
+from serve_client import (body, engine_core, events, in_threads, kill_replica, open_stream,
+                          read_stream, replica_processes, start_streams, stats, wait_for)
 from specserve.tools.serveproc import ServeProcess, get, post
 from specserve.testing.certs import SERVER_NAME, make_pki
 
@@ -345,30 +345,26 @@ def test_target_replica_killed_mid_stream(app, expected):
              interval=2)
 
 
-def engine_core(app) -> tuple[psutil.Process, psutil.Process]:
-    """The target replica's process and its vLLM EngineCore (vLLM titles it).
-    Waited for: right after a replacement (the test before kills the target)
-    /healthz can say 200 while Ray still lists the dying replica beside the
-    new one, or before the new EngineCore has titled itself (CI saw no core)."""
+def target_engine(app) -> tuple[psutil.Process, psutil.Process]:
+    """The target replica's process and its vLLM engine core. Waited for:
+    right after a replacement (the test before kills the target) /healthz can
+    say 200 while Ray still lists the dying replica beside the new one."""
     seen: list[str] = []
 
     def found():
         seen.clear()
         replicas = replica_processes(app, "target")
-        cores = []
         for replica in replicas:
             for p in replica.children(recursive=True):
                 try:
-                    title = f"{p.name()}: {' '.join(p.cmdline())}"
+                    seen.append(f"{replica.pid} > {p.pid}: {' '.join(p.cmdline())[:80]}")
                 except psutil.Error:  # gone meanwhile
                     continue
-                seen.append(f"{replica.pid} > {p.pid}: {title[:80]}")
-                if "EngineCore" in title:
-                    cores.append((replica, p))
-        return cores[0] if len(replicas) == 1 and len(cores) == 1 else None
+        core = engine_core(replicas[0]) if len(replicas) == 1 else None
+        return (replicas[0], core) if core is not None else None
 
     try:
-        return wait_for(found, 120, "one target replica with one EngineCore")
+        return wait_for(found, 120, "one target replica with one engine core")
     except AssertionError as e:
         raise AssertionError(f"{e}; processes under the target replicas: {seen}") from None
 
@@ -382,7 +378,7 @@ def test_a_dead_target_engine_is_replaced_at_once(app, expected):
     new one; /healthz is 503 until a target serves; and the time from the
     death to the first good answer is measured (docs/reliability.md)."""
     wait_for(lambda: get(f"{app.url}/healthz", timeout=10)[0] == 200, 300, "a target serves")
-    replica, core = engine_core(app)
+    replica, core = target_engine(app)
     plain, plain_results = in_threads(
         lambda j: post(f"{app.url}/v1/completions", body(PROMPTS[j], LONG, stream=False),
                        timeout=300), [(j,) for j in range(2)])

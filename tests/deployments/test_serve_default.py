@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from serve_client import engine_core, replica_processes
 from specserve.tools.serveproc import ServeProcess, get
 
 pytestmark = pytest.mark.slow
@@ -26,26 +27,23 @@ def readme_block(lang: str, needle: str) -> str:
     return found[0]
 
 
-def target_engine_processes(timeout: float = 120) -> list:
-    """The target replica's process and its processes, once its vLLM engine core
-    is among them under its own title (this machine). A replica Serve starts or
-    restarts names its engine processes only once they run (CI once caught them
-    as three plain `python` children), so this waits for the title."""
+def target_engine_processes(server, timeout: float = 120) -> list:
+    """The target replica's process and its processes, once its vLLM engine
+    core is among them (serve_client.engine_core: found by place, as CI has
+    listed them as plain `python` children)."""
     import psutil
 
     deadline = time.monotonic() + timeout
     while True:
+        replicas = replica_processes(server, "target")
+        core = engine_core(replicas[0]) if len(replicas) == 1 else None
         try:
-            replicas = [p for p in psutil.process_iter(["cmdline"])
-                        if "ServeReplica:specserve:target" in " ".join(p.info["cmdline"] or [])]
-            found = [q for p in replicas for q in [p, *p.children(recursive=True)]]
-            names = [(q.pid, q.name(), " ".join(q.cmdline())[:100]) for q in found]
-        except psutil.NoSuchProcess:  # one ended while listed: list again
-            found, names = [], []
-        if any("VLLM::EngineCore" in name for _, name, _ in names):
-            return found
+            if core is not None:
+                return [replicas[0], *replicas[0].children(recursive=True)]
+        except psutil.NoSuchProcess:  # the replica ended meanwhile: look again
+            pass
         if time.monotonic() > deadline:
-            raise AssertionError(f"no VLLM::EngineCore under the target replica: {names}")
+            raise AssertionError(f"no engine core under one target replica: {replicas}")
         time.sleep(1)
 
 
@@ -56,7 +54,7 @@ def test_default_app_answers_the_readme_examples(tmp_path, monkeypatch):
         server.wait_ready("SmolLM2-135M-Instruct", timeout=900)
         # At this process's own priority: Ray would start them 15 lower, under
         # every other process here (specserve.placement.RAY_NODE_ENV).
-        engine = target_engine_processes()
+        engine = target_engine_processes(server)
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert [(p.name(), p.nice()) for p in engine] == [(p.name(), ours) for p in engine]
         curl = readme_block("sh", "curl http").replace("8000", str(server.port))

@@ -10,10 +10,10 @@ import copy
 import re
 import time
 
-import psutil
 import pytest
 
 from conftest import SLOW_TARGET_ENV
+from serve_client import engine_core, replica_processes
 from specserve.tools.serveproc import ServeProcess, get, post
 from test_serve import tiny_config
 
@@ -23,17 +23,11 @@ pytestmark = pytest.mark.slow
 def engine_pids(server) -> dict[str, int]:
     """Process ids of the target replica and of its engine core."""
     out = {}
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            line = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "ServeReplica:specserve:target" in line:
-            out["replica"] = p.pid
-            cores = [c.pid for c in p.children(recursive=True)
-                     if "EngineCore" in " ".join(c.cmdline()) or "VLLM::EngineCore" in c.name()]
-            if cores:
-                out["engine"] = cores[0]
+    for replica in replica_processes(server, "target"):
+        out["replica"] = replica.pid
+        core = engine_core(replica)
+        if core is not None:
+            out["engine"] = core.pid
     return out
 
 
