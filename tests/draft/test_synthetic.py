@@ -127,6 +127,27 @@ def test_model_replays_corrupts_and_falls_silent():
     assert asyncio.run(_draft(model, [7, 7])) == [] and model.unknown_prompts == 1
 
 
+def test_model_looks_a_requests_record_up_once():
+    truth = list(range(100, 140))
+    replay = synthetic.Replay([([1, 2], truth), ([5, 6, 7], truth)])
+    finds = []
+    find = replay.find
+    replay.find = lambda tokens: finds.append(list(tokens)) or find(tokens)
+    model = synthetic.SyntheticDraftModel(synthetic.SyntheticSpec(0.7), replay, vocab_size=320)
+    first = asyncio.run(_draft(model, [1, 2], 10))
+    assert asyncio.run(_draft(model, [1, 2] + first[:4], 6)) == first[4:10]
+    assert model.branches("r", [1, 2] + first, 3, 2, 4)
+    assert len(finds) == 1  # one lookup for the request's segments and branches
+    # The same id with another prompt is looked up again, and so is a forgotten one.
+    assert asyncio.run(_draft(model, [5, 6, 7], 3))
+    model.forget("r", before=5)
+    asyncio.run(_draft(model, [5, 6, 7], 3))
+    assert len(finds) == 2
+    model.forget("r")
+    asyncio.run(_draft(model, [5, 6, 7], 3))
+    assert len(finds) == 3
+
+
 def test_runner_waits_when_the_model_has_nothing():
     """A segment that yields nothing must not be retried in a busy loop."""
 
