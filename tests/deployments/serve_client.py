@@ -1,9 +1,8 @@
 """A client of a Serve app started by `specserve serve` (tests/deployments):
 completions streamed over http.client (the test decides when to hang up),
 /v1/spec/stats, the app's replica processes (and a replica's engine core) and
-SIGKILLs of them, and the
-thread and wait helpers the fault tests share (test_reliability.py,
-test_many_replicas.py). The model is served as "tiny"."""
+SIGKILLs of them, and the thread and wait helpers the fault tests share
+(test_reliability.py, test_many_replicas.py). The model is served as "tiny"."""
 
 import http.client
 import json
